@@ -1,0 +1,1 @@
+"""Confidence calibration (Sequential Temperature Scaling) and hardware-curve profiling; numpy only."""

@@ -1,0 +1,77 @@
+"""What `dspark-export inspect` reports: architecture, size and the memory a deployment needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dspark_export.checkpoint import Checkpoint
+from dspark_export.config import DTYPE_BYTES
+from dspark_export.presets import PRESETS, TargetSpec
+
+
+def describe_target(spec: TargetSpec, slots: int, context: int, kv_dtype: str | None = None) -> dict[str, Any]:
+    """Facts about a target and the memory for its weights plus a KV cache of `slots` × `context`.
+
+    The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
+    """
+    config = spec.config
+    dtype = config.dtype
+    if spec.path is not None:
+        dtype = Checkpoint(spec.path, config).dtype
+    parameters = config.num_parameters()
+    weight_bytes = parameters * DTYPE_BYTES[dtype]
+    kv_bytes = config.kv_cache_bytes(slots, context, kv_dtype or dtype)
+    return {
+        "target": spec.name,
+        "hf_repo": PRESETS[spec.name][0] if spec.name in PRESETS else None,
+        "weights": str(spec.path) if spec.path else None,
+        "searched": [str(p) for p in spec.searched],
+        "architecture": {
+            "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "attention_heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "rope_theta": config.rope_theta,
+            "rope_scaling": config.rope_type if config.rope_type == "default" else f"{config.rope_type} x{config.rope_factor:g}",
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "max_position_embeddings": config.max_position_embeddings,
+        },
+        "vocab_size": config.vocab_size,
+        "parameters": parameters,
+        "dtype": dtype,
+        "memory": {"slots": slots, "context": context, "weights_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+                   "total_bytes": weight_bytes + kv_bytes},
+    }
+
+
+def human_bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    arch, memory = report["architecture"], report["memory"]
+    weights = report["weights"] or "not found locally; looked in " + ", ".join(report["searched"])
+    embeddings = "tied" if arch["tie_word_embeddings"] else "untied"
+    rows = [
+        ("target", report["target"] + (f" ({report['hf_repo']})" if report["hf_repo"] else "")),
+        ("weights", weights),
+        ("architecture", f"Qwen3, {arch['layers']} layers, hidden {arch['hidden_size']}, FFN {arch['intermediate_size']}, "
+                         f"{arch['attention_heads']} query / {arch['kv_heads']} KV heads x {arch['head_dim']}"),
+        ("rope", f"theta {arch['rope_theta']:g}, scaling {arch['rope_scaling']}, {arch['max_position_embeddings']} positions"),
+        ("embeddings", f"{embeddings}, vocabulary {report['vocab_size']}"),
+        ("parameters", human_count(report["parameters"])),
+        ("dtype", report["dtype"]),
+        ("memory", f"weights {human_bytes(memory['weights_bytes'])} + KV cache {memory['slots']} slot(s) x "
+                   f"{memory['context']} tokens {human_bytes(memory['kv_cache_bytes'])} = {human_bytes(memory['total_bytes'])}"),
+    ]
+    return "\n".join(f"{name:<13}{value}" for name, value in rows)

@@ -1,0 +1,135 @@
+"""Named targets (`--target qwen3-8b`) and where their weights are found on this machine.
+
+Nothing is ever downloaded: weights come from `--target-path`, the bundled demo, or a Hugging Face
+cache that is already on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from dspark_export.config import Qwen3Config
+from dspark_runtime.errors import CheckpointError, ConfigError
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> Qwen3Config:
+    """The published Qwen3 dense models share vocabulary, head size, KV heads, norms and RoPE."""
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=tied,
+        max_position_embeddings=40960,
+        dtype="bfloat16",
+    )
+
+
+# Architecture numbers from each model's published config.json; the key is the Hugging Face repo id.
+PRESETS: dict[str, tuple[str, Qwen3Config]] = {
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", _qwen3(1024, 3072, 28, 16, tied=True)),
+    "qwen3-1.7b": ("Qwen/Qwen3-1.7B", _qwen3(2048, 6144, 28, 16, tied=True)),
+    "qwen3-4b": ("Qwen/Qwen3-4B", _qwen3(2560, 9728, 36, 32, tied=True)),
+    "qwen3-8b": ("Qwen/Qwen3-8B", _qwen3(4096, 12288, 36, 32, tied=False)),
+    "qwen3-14b": ("Qwen/Qwen3-14B", _qwen3(5120, 17408, 40, 40, tied=False)),
+}
+DEMO = "demo"
+KNOWN_TARGETS = (*PRESETS, DEMO)
+
+
+def demo_dir() -> Path:
+    """The bundled demo target, shipped as package data."""
+    return Path(str(resources.files("dspark_export") / "assets" / "demo"))
+
+
+def hf_cache_roots() -> list[Path]:
+    """Hugging Face hub caches in the order `huggingface_hub` itself consults them."""
+    roots = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(roots))
+
+
+def cached_snapshots(repo_id: str) -> list[Path]:
+    """Snapshot folders of `repo_id` in the local caches, the one `refs/main` names first."""
+    found = []
+    for root in hf_cache_roots():
+        repo = root / ("models--" + repo_id.replace("/", "--"))
+        main_ref = repo / "refs" / "main"
+        if main_ref.is_file():
+            found.append(repo / "snapshots" / main_ref.read_text().strip())
+        found.extend(sorted((repo / "snapshots").glob("*")))
+    return [path for path in dict.fromkeys(found) if (path / "config.json").is_file()]
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A resolved target: its architecture and, when found, the folder holding its weights."""
+
+    name: str
+    config: Qwen3Config
+    path: Path | None
+    searched: tuple[Path, ...] = ()
+
+    def require_path(self) -> Path:
+        """The weights folder, or an error that lists where it looked."""
+        if self.path is None:
+            places = ", ".join(str(p) for p in self.searched) or "nowhere"
+            raise CheckpointError(
+                f"no local checkpoint for {self.name} (looked in {places}); "
+                "pass --target-path DIR (a Hugging Face model folder): DSpark never downloads weights"
+            )
+        return self.path
+
+
+def resolve_target(name: str | None = None, path: str | Path | None = None) -> TargetSpec:
+    """Resolve `--target NAME` and/or `--target-path DIR` to an architecture and a weights folder.
+
+    With a path, the architecture is the checkpoint's own `config.json`; with a name too, the two must agree.
+    """
+    if name is None and path is None:
+        raise ConfigError("name a target (--target) or a checkpoint folder (--target-path)")
+    if name is not None and name not in KNOWN_TARGETS:
+        raise ConfigError(f"unknown target {name!r}; known targets: {', '.join(KNOWN_TARGETS)}")
+    if path is not None:
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint folder {path} does not exist")
+        config = Qwen3Config.from_dir(path)
+        if name is not None:
+            _check_against_preset(name, config)
+        return TargetSpec(name or path.name, config, path, (path,))
+    if name == DEMO:
+        folder = demo_dir()
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"the bundled demo target is missing from {folder}; reinstall DSpark")
+        return TargetSpec(DEMO, Qwen3Config.from_dir(folder), folder, (folder,))
+    repo_id, config = PRESETS[name]
+    snapshots = cached_snapshots(repo_id)
+    searched = tuple(root / ("models--" + repo_id.replace("/", "--")) for root in hf_cache_roots())
+    if not snapshots:
+        return TargetSpec(name, config, None, searched)
+    _check_against_preset(name, Qwen3Config.from_dir(snapshots[0]))
+    return TargetSpec(name, config, snapshots[0], searched)
+
+
+def _check_against_preset(name: str, config: Qwen3Config) -> None:
+    if name == DEMO:
+        expected = Qwen3Config.from_dir(demo_dir())
+    else:
+        expected = PRESETS[name][1]
+    want, got = expected.architecture_fields(), config.architecture_fields()
+    diffs = [f"{key}: preset {want[key]}, checkpoint {got[key]}" for key in want if want[key] != got[key]]
+    if diffs:
+        raise ConfigError(f"the checkpoint's config.json does not match --target {name} ({'; '.join(diffs)})")

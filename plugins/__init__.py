@@ -1,0 +1,1 @@
+"""The varlen-verification attention op: contract, ONNX function, GPU kernel, TensorRT plugin."""

@@ -1,0 +1,130 @@
+"""Hugging Face tokenizer files (`tokenizer.json`, `tokenizer_config.json`) and the chat template.
+
+The chat template is rendered by jinja2 in a sandbox, with the same environment options and helpers
+as `transformers` (so Qwen3's own template renders unchanged), without importing transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from dspark_runtime.errors import TokenizerError
+
+
+def _template_environment():  # jinja2 is imported only when a template is rendered
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(entry: Any) -> str | None:
+    """`tokenizer_config.json` writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(entry, dict):
+        return entry.get("content")
+    return entry
+
+
+@dataclass
+class ChatTokenizer:
+    """Text <-> token ids plus the chat template, loaded from a Hugging Face model folder."""
+
+    backend: Any  # tokenizers.Tokenizer
+    chat_template: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    special: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ChatTokenizer":
+        """Load `tokenizer.json` (required), `tokenizer_config.json`, `chat_template.jinja` and
+        `generation_config.json` (optional) from one folder."""
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"no tokenizer.json in {path}")
+        try:
+            backend = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust library raises plain Exceptions
+            raise TokenizerError(f"{tokenizer_file} is not a valid tokenizer file: {exc}") from None
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+
+        special = {tok.content: idx for idx, tok in backend.get_added_tokens_decoder().items() if tok.special}
+
+        def token_id(entry: Any) -> int | None:
+            text = _token_text(entry)
+            return None if text is None else backend.token_to_id(text)
+
+        eos_ids: list[int] = []
+        eos_from_generation = generation.get("eos_token_id")
+        for candidate in [token_id(config.get("eos_token"))] + (
+            eos_from_generation if isinstance(eos_from_generation, list) else [eos_from_generation]
+        ):
+            if candidate is not None and candidate not in eos_ids:
+                eos_ids.append(int(candidate))
+        return cls(backend, template, tuple(eos_ids), token_id(config.get("pad_token")), special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def vocab_hash(self) -> str:
+        """A short fingerprint of the token -> id map: two tokenizers with equal hashes are interchangeable."""
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """Render a conversation to the prompt text the model was trained on.
+
+        Extra keyword arguments (`enable_thinking=False`, `tools=[...]`) reach the template as variables.
+        """
+        if not self.chat_template:
+            raise TokenizerError("this tokenizer has no chat template; use plain completion instead")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            template = _template_environment().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from None

@@ -1,0 +1,85 @@
+"""The torch Qwen3 target against `transformers.Qwen3ForCausalLM`, the cached decode, sharded loading."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dspark_export.checkpoint import Checkpoint  # noqa: E402
+from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.model import Qwen3Model, save_checkpoint  # noqa: E402
+from tests.conftest import write_hf_checkpoint  # noqa: E402
+
+
+def load(folder, dtype="float32") -> Qwen3Model:
+    return Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), dtype)
+
+
+CASES = {
+    "untied-gqa4-theta1e6": dict(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=1e6),
+    "tied-gqa1-theta1e4": dict(tie_word_embeddings=True, num_key_value_heads=4, rope_theta=1e4),
+    "tied-gqa2-linear-rope": dict(
+        tie_word_embeddings=True, num_key_value_heads=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_hidden_states_match_transformers(tmp_path, case):
+    folder = write_hf_checkpoint(tmp_path / case, seed=len(case), **CASES[case])
+    reference = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load(folder)
+    ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids, output_hidden_states=True)
+        got = ours(ids, feature_layers=(0, 1))
+    assert (got.logits - expected.logits).abs().max() <= 1e-4
+    # hidden_states[l + 1] is the output of decoder layer l
+    for layer in (0, 1):
+        assert (got.features[layer] - expected.hidden_states[layer + 1]).abs().max() <= 1e-4
+
+
+def test_cached_incremental_decode_equals_full_forward(tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        model.setup_caches(batch=2, max_len=32)
+        steps = [model(ids[:, :8], torch.arange(8).expand(2, 8), use_cache=True).logits]  # prefill chunk
+        for start, end in [(8, 9), (9, 13), (13, 20)]:  # one token, then multi-token verification chunks
+            positions = torch.arange(start, end).expand(2, end - start)
+            steps.append(model(ids[:, start:end], positions, use_cache=True).logits)
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    single = write_hf_checkpoint(tmp_path / "single", seed=3)
+    sharded = write_hf_checkpoint(tmp_path / "sharded", seed=3, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a, b = load(single).state_dict(), load(sharded).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_checkpoints_round_trip(tmp_path, tiny_checkpoint, dtype):
+    model = load(tiny_checkpoint)
+    save_checkpoint(model, tmp_path / dtype, dtype=dtype, max_shard_bytes=30_000)
+    reloaded = load(tmp_path / dtype, dtype)
+    assert reloaded.embed_tokens.weight.dtype == getattr(torch, dtype)
+    expected = model.embed_tokens.weight.to(getattr(torch, dtype))
+    assert torch.equal(reloaded.embed_tokens.weight, expected)
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        diff = (reloaded.float()(ids).logits - model(ids).logits).abs().max()
+    assert diff < 0.1  # storage rounding only
+
+
+def test_our_checkpoint_loads_in_transformers(tmp_path, tiny_checkpoint):
+    model = load(tiny_checkpoint)
+    save_checkpoint(model, tmp_path / "ours", dtype="float32")
+    reference = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        assert (reference(ids).logits - model(ids).logits).abs().max() <= 1e-5
