@@ -75,13 +75,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [B, T, H] -> rotated k [B, Hkv, T, D] and v [B, Hkv, T, D]."""
+        batch, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [B, T, H] -> rotated q [B, Hq, T, D], k [B, Hkv, T, D] and v [B, Hkv, T, D]."""
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return (rotate(q, cos, sin), *self.keys_values(x, cos, sin))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, Hq, T, D] over k, v [B, Hkv, S, D]; mask [.., T, S] bool (True = may attend) or None = causal."""

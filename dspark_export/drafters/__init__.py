@@ -1,0 +1,1 @@
+"""Drafters on one training framework: DSpark (Markov/RNN + confidence heads), DFlash, EAGLE-3-style."""

@@ -1,0 +1,43 @@
+"""Self-distillation sequences (written by `dspark_export.demo.distill`) as padded training batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark_runtime.errors import CheckpointError
+
+
+@dataclass
+class Sequences:
+    tokens: np.ndarray  # uint16, back to back
+    starts: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+
+    @classmethod
+    def load(cls, file: str | Path) -> "Sequences":
+        try:
+            with np.load(file) as data:
+                return cls(data["tokens"], data["starts"], data["lengths"], data["prompt_lengths"])
+        except (OSError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{file} is not a distillation file: {exc}") from None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def usable(self) -> np.ndarray:
+        """Indices of sequences with at least one anchor (two generated tokens)."""
+        return np.flatnonzero(self.lengths - np.maximum(self.prompt_lengths, 2) >= 1)
+
+    def batch(self, indices: np.ndarray, max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded tokens [B, T] (T <= max_length, pad 0), lengths [B], first supervised position [B]."""
+        lengths = np.minimum(self.lengths[indices], max_length)
+        tokens = np.zeros((len(indices), int(lengths.max())), dtype=np.int64)
+        for row, (index, length) in enumerate(zip(indices, lengths)):
+            tokens[row, :length] = self.tokens[self.starts[index] : self.starts[index] + length]
+        return torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), torch.from_numpy(
+            self.prompt_lengths[indices].astype(np.int64))

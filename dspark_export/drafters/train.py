@@ -1,0 +1,111 @@
+"""Train a drafter against a frozen target with target features computed online.
+
+Each step: a batch of self-distillation sequences -> one target forward (features of the chosen layers
+and the target's logits) -> the drafter's loss over many anchor blocks per sequence (DSpark, DFlash)
+or over the unrolled steps (EAGLE-3) -> AdamW. Resumable from the run folder.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dspark_export.drafters.blocks import block_mask, build_blocks, sample_anchors
+from dspark_export.drafters.data import Sequences
+from dspark_export.drafters.eagle3 import eagle3_loss
+from dspark_export.drafters.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, drafter_loss
+from dspark_export.model import Qwen3Model
+from dspark_export.training import RunFolder, learning_rate
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    steps: int = 1000
+    batch: int = 8  # sequences per step
+    anchors: int = 32  # anchor blocks per sequence (DSpark / DFlash)
+    max_length: int = 512
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+@torch.no_grad()
+def target_pass(target: Qwen3Model, tokens: torch.Tensor, feature_layers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated features [B, T, m·H] of `feature_layers` and the target's logits [B, T, V]."""
+    out = target(tokens, feature_layers=feature_layers)
+    return torch.cat([out.features[layer] for layer in feature_layers], -1), out.logits
+
+
+def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator) -> dict:
+    """DSpark / DFlash loss over `anchors` blocks per sequence, all in one drafter forward."""
+    config = drafter.config
+    batch, length = tokens.shape
+    anchors = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator)
+    blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.block, config.mask_token_id)
+    context = drafter.fuse(features)
+    hidden = drafter.backbone(
+        blocks.input_ids.flatten(1), blocks.positions.flatten(1), context,
+        torch.arange(length).expand(batch, length), block_mask(anchors, length, config.block),
+    ).view(*blocks.positions.shape, -1)
+    logits, confidence = drafter.teacher_forced(hidden, blocks.previous)
+    slot_positions = blocks.positions.clamp(max=length - 1).flatten(1)  # slot j's label is predicted by the target at a+j
+    target_at_slots = torch.gather(target_logits, 1, slot_positions[..., None].expand(-1, -1, target_logits.shape[-1]))
+    weights = DSPARK_WEIGHTS if config.drafter_type == "dspark" else DFLASH_WEIGHTS
+    return drafter_loss(logits, target_at_slots.view_as(logits), blocks.labels, blocks.valid, confidence, weights)
+
+
+def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator) -> dict:
+    features, target_logits = target_pass(target, tokens, drafter.config.feature_layers)
+    if drafter.config.drafter_type == "eagle3":
+        return eagle3_loss(drafter.unroll(tokens, features, drafter.config.block), target_logits, lengths, supervised_from)
+    return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
+
+
+def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: DrafterTrainConfig,
+                  threads: int | None = None, until: int | None = None):
+    """Train (or resume) `drafter` in place; progress on a tqdm bar (loss, running τ) and in `run/log.jsonl`."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    target.eval().requires_grad_(False)
+    drafter.train_anchors = cfg.anchors
+    folder = RunFolder(run)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step = folder.resume(drafter, optimizer)
+    usable = data.usable()
+    warmup = max(1, int(cfg.warmup_fraction * cfg.steps))
+    drafter.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {drafter.config.drafter_type}", unit="step", dynamic_ncols=True)
+    smoothed: dict[str, float] = {}
+    while step < min(cfg.steps, until or cfg.steps):
+        rng = np.random.default_rng([cfg.seed, step])
+        generator = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
+        tokens, lengths, supervised_from = data.batch(rng.choice(usable, cfg.batch, replace=False), cfg.max_length)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, warmup, 0.0)
+        terms = drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator)
+        optimizer.zero_grad(set_to_none=True)
+        terms["total"].backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        for name, value in terms.items():
+            value = float(value.detach())
+            if np.isfinite(value):
+                smoothed[name] = value if name not in smoothed else 0.95 * smoothed[name] + 0.05 * value
+        bar.set_postfix(loss=f"{smoothed['total']:.3f}", tau=f"{smoothed.get('tau', float('nan')):.2f}")
+        bar.update()
+        if step % 10 == 0 or step == cfg.steps:
+            folder.log({"step": step, **{k: round(v, 4) for k, v in smoothed.items()}, "time": round(time.time(), 1)})
+        if step % cfg.checkpoint_every == 0 or step in (cfg.steps, until):
+            folder.save(drafter, optimizer, step, skip=drafter.frozen_names())
+    bar.close()
+    return drafter.eval()

@@ -1,0 +1,60 @@
+"""Pieces every training loop here shares: the learning-rate schedule and a resumable run folder.
+
+A run folder holds `state.pt` (model, optimiser, step; replaced atomically) and `log.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio` of the peak at `steps`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class RunFolder:
+    """Checkpoint and log of one training run, so that the same command resumes after an interruption."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.state_file = self.folder / "state.pt"
+        self.log_file = self.folder / "log.jsonl"
+
+    def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the last checkpoint into `model` and `optimizer`; returns its step (0 when starting fresh)."""
+        if not self.state_file.is_file():
+            return 0
+        state = torch.load(self.state_file, weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, skip: tuple[str, ...] = ()) -> None:
+        weights = {name: t for name, t in model.state_dict().items() if name not in skip}
+        tmp = self.state_file.with_suffix(".tmp")
+        torch.save({"model": weights, "optimizer": optimizer.state_dict(), "step": step}, tmp)
+        tmp.replace(self.state_file)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.log_file.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        """Logged records, the last one per step (a resumed run re-logs the steps after its checkpoint)."""
+        if not self.log_file.is_file():
+            return []
+        by_step = {}
+        for line in self.log_file.read_text().splitlines():
+            record = json.loads(line)
+            by_step[record["step"]] = by_step.get(record["step"], {}) | record
+        return [by_step[step] for step in sorted(by_step)]

@@ -1,0 +1,163 @@
+"""Drafters: the block mask, the loss terms by hand, a few training steps, target mismatches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.drafters.blocks import block_mask, build_blocks  # noqa: E402
+from dspark_export.drafters.checkpoint import attach_target, build_drafter, load_drafter, save_drafter  # noqa: E402
+from dspark_export.drafters.config import DrafterConfig, default_feature_layers  # noqa: E402
+from dspark_export.drafters.data import Sequences  # noqa: E402
+from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: E402
+from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
+from dspark_export.model import Qwen3Model  # noqa: E402
+from dspark_runtime.errors import ConfigError  # noqa: E402
+
+TARGET = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def drafter_config(kind="dspark", head="markov", **overrides) -> DrafterConfig:
+    fields = dict(drafter_type=kind, target=TARGET.architecture_fields() | {"dtype": "float32"}, vocab_hash="abc",
+                  mask_token_id=3, num_layers=1, block=4, feature_layers=(1, 2), head=head, markov_rank=8,
+                  confidence=kind == "dspark")
+    if kind != "dspark":
+        fields["head"] = "none"
+    return DrafterConfig(**(fields | overrides))
+
+
+@pytest.fixture
+def target() -> Qwen3Model:
+    torch.manual_seed(0)
+    model = Qwen3Model(TARGET).eval()
+    with torch.no_grad():  # a peaked target, so that there is something to learn
+        model.lm_head.weight.mul_(3)
+    return model
+
+
+def test_feature_layer_defaults():
+    assert default_feature_layers(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B, as in DFlash/DSpark
+    assert default_feature_layers(6, 1) == (3,)
+    assert default_feature_layers(6, 2) == (1, 3)
+
+
+def test_block_mask_constructed_case():
+    mask = block_mask(torch.tensor([[2, 5]]), context_length=8, block=3)[0, 0].int()
+    expected = torch.zeros(6, 14, dtype=torch.int32)
+    expected[0:3, 0:2] = 1  # anchor 2: context strictly before position 2 (never its own feature)
+    expected[3:6, 0:5] = 1  # anchor 5: positions 0..4
+    expected[0:3, 8:11] = 1  # each block sees all of itself (bidirectional) ...
+    expected[3:6, 11:14] = 1  # ... and nothing of the other block
+    assert torch.equal(mask, expected)
+
+
+def test_blocks_inputs_labels_and_validity():
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0]])
+    blocks = build_blocks(tokens, torch.tensor([6]), torch.tensor([3]), torch.tensor([[2, 4]]), block=3, mask_token_id=99)
+    assert blocks.input_ids.tolist() == [[[12, 99, 99], [14, 99, 99]]]
+    assert blocks.previous.tolist() == [[[12, 13, 14], [14, 15, 0]]]  # past the end: padding, masked below
+    assert blocks.labels[0, 0].tolist() == [13, 14, 15]
+    assert blocks.valid.tolist() == [[[True, True, True], [True, False, False]]]  # labels past the end are invalid
+
+
+def test_block_drafter_never_peeks(target):
+    drafter = build_drafter(drafter_config())
+    attach_target(drafter, target)
+    features = torch.randn(1, 10, 2 * TARGET.hidden_size)
+    anchors = torch.tensor([[3, 6]])
+    ids = torch.tensor([[5, 3, 3, 3, 7, 3, 3, 3]])
+    positions = torch.tensor([[3, 4, 5, 6, 6, 7, 8, 9]])
+
+    def run(features, ids):
+        return drafter.backbone(ids, positions, drafter.fuse(features), torch.arange(10)[None], block_mask(anchors, 10, 4))
+
+    base = run(features, ids)
+    later = features.clone()
+    later[:, 3:] += 5.0  # features at and after the first anchor
+    other_block = ids.clone()
+    other_block[0, 4] = 9  # the second block's anchor token
+    assert torch.allclose(run(later, ids)[:, :4], base[:, :4], atol=1e-6)
+    assert not torch.allclose(run(later, ids)[:, 4:], base[:, 4:], atol=1e-3)  # anchor 6 does see position 3..5
+    assert torch.allclose(run(features, other_block)[:, :4], base[:, :4], atol=1e-6)
+
+
+def test_loss_terms_by_hand():
+    draft = torch.tensor([[[2.0, 0.0], [0.0, 0.0]]])  # [1, γ=2, V=2]
+    target_logits = torch.tensor([[[0.0, 0.0], [0.0, 1.0]]])
+    labels = torch.tensor([[0, 1]])
+    valid = torch.tensor([[True, True]])
+    confidence = torch.tensor([[0.0, 1.0]])
+    terms = drafter_loss(draft, target_logits, labels, valid, confidence, DSPARK_WEIGHTS)
+    w = np.array([1.0, math.exp(-0.25)])
+    p0 = 1 / (1 + math.exp(-2))  # draft prob of token 0 at slot 0
+    s1 = 1 / (1 + math.exp(-1))  # target prob of token 1 at slot 1
+    ce = np.array([-math.log(p0), math.log(2)])
+    tv = np.array([abs(p0 - 0.5), abs(0.5 - s1)])
+    c_star = 1 - tv
+    sig = 1 / (1 + np.exp(-np.array([0.0, 1.0])))
+    bce = -(c_star * np.log(sig) + (1 - c_star) * np.log(1 - sig))
+    expected = {"ce": (ce * w).sum() / w.sum(), "l1": (2 * tv * w).sum() / w.sum(), "bce": (bce * w).sum() / w.sum()}
+    for name, value in expected.items():
+        assert float(terms[name]) == pytest.approx(value, rel=1e-5), name
+    assert float(terms["total"]) == pytest.approx(0.1 * expected["ce"] + 0.9 * expected["l1"] + expected["bce"], rel=1e-5)
+    assert float(terms["tau"]) == pytest.approx(1 + (1 - tv[0]) + (1 - tv[0]) * (1 - tv[1]), rel=1e-5)
+
+
+def greedy_sequences(target: Qwen3Model, count: int = 24, prompt: int = 6, new: int = 26) -> Sequences:
+    """Self-distillation data from the tiny target: random prompts, greedy continuations."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, TARGET.vocab_size, (count, prompt), generator=generator)
+    with torch.no_grad():
+        for _ in range(new):
+            next_ids = target(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_ids], 1)
+    lengths = np.full(count, prompt + new, dtype=np.int32)
+    return Sequences(ids.numpy().astype(np.uint16).ravel(), np.arange(count) * (prompt + new), lengths,
+                     np.full(count, prompt, dtype=np.int32))
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")])
+def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
+    torch.manual_seed(0)
+    drafter = build_drafter(drafter_config(kind, head))
+    attach_target(drafter, target)
+    cfg = DrafterTrainConfig(steps=60, batch=8, anchors=6, lr=3e-3, checkpoint_every=60)
+    train_drafter(drafter, target, greedy_sequences(target), tmp_path / "run", cfg, threads=1)
+    from dspark_export.training import RunFolder
+
+    records = RunFolder(tmp_path / "run").records()
+    assert records[-1]["total"] < 0.8 * records[0]["total"], records
+    save_drafter(drafter, tmp_path / "drafter")
+    reloaded = load_drafter(tmp_path / "drafter", target, vocab_hash="abc")
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(vocab_size=64), "vocab_size=48, but this target has vocab_size=64"),
+        (dict(hidden_size=64, num_attention_heads=8), "hidden_size=32, but this target has hidden_size=64"),
+    ],
+)
+def test_drafter_for_another_target_is_refused(tmp_path, target, change, message):
+    drafter = build_drafter(drafter_config())
+    save_drafter(drafter, tmp_path / "d")
+    other = Qwen3Model(Qwen3Config(**(TARGET.architecture_fields() | change)))
+    with pytest.raises(ConfigError, match=message):
+        load_drafter(tmp_path / "d", other)
+    with pytest.raises(ConfigError, match="vocabulary does not match"):
+        load_drafter(tmp_path / "d", target, vocab_hash="another")
+
+
+def test_feature_layer_beyond_the_target_is_refused():
+    with pytest.raises(ConfigError, match=r"within 0\.\.2 \(the target has 4 layers"):
+        drafter_config(feature_layers=(1, 3))
+    with pytest.raises(ConfigError, match="unknown drafter type"):
+        drafter_config(drafter_type="medusa")
