@@ -161,3 +161,41 @@ def test_feature_layer_beyond_the_target_is_refused():
         drafter_config(feature_layers=(1, 3))
     with pytest.raises(ConfigError, match="unknown drafter type"):
         drafter_config(drafter_type="medusa")
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_greedy_speculative_generation_equals_target_greedy(target, kind):
+    from dspark_export.drafters.evaluate import speculative_generate, summarize
+
+    torch.manual_seed(1)
+    drafter = build_drafter(drafter_config(kind, "rnn" if kind == "dspark" else "none")).eval()
+    attach_target(drafter, target)
+    prompt = [5, 9, 11, 4, 20, 7]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    generation = speculative_generate(target, drafter, prompt, max_new=20, temperature=0.0, seed=0)
+    assert generation.tokens == ids[0, len(prompt):].tolist()
+    summary = summarize(generation.rounds, block=4)
+    assert 1.0 <= summary["tau"] <= 5.0 and len(summary["per_position_acceptance"]) == 4
+
+
+def test_a_drafter_equal_to_the_target_is_always_accepted(target):
+    """Positive control: with drafts taken from the target itself, every draft passes (τ = γ + 1)."""
+    from dspark_export.drafters.evaluate import speculative_generate
+
+    class Oracle(torch.nn.Module):
+        config = drafter_config("dflash")
+
+    def oracle_draft(drafter, committed, features, temperature, noise):
+        from dspark_export.drafters.block import Draft
+
+        ids = committed
+        for _ in range(drafter.config.block):
+            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        tokens = ids[:, committed.shape[1]:]
+        return Draft(tokens, torch.nn.functional.one_hot(tokens, TARGET.vocab_size).float(), torch.ones(tokens.shape))
+
+    generation = speculative_generate(target, Oracle(), [5, 9, 11], max_new=15, temperature=0.0, seed=0, draft_fn=oracle_draft)
+    assert [r.accepted for r in generation.rounds] == [4, 4, 4]

@@ -43,6 +43,18 @@ class InjectedLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def pick(logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample from softmax(logits / T) by Gumbel-max with the given uniforms in (0, 1); T = 0 takes the argmax.
+
+    Returns the tokens [R] and the distribution they were drawn from [R, V] (one-hot for T = 0).
+    """
+    if temperature == 0:
+        token = logits.argmax(-1)
+        return token, F.one_hot(token, logits.shape[-1]).to(logits.dtype)
+    gumbel = -torch.log(-torch.log(uniform))
+    return (logits / temperature + gumbel).argmax(-1), torch.softmax(logits / temperature, -1)
+
+
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [R, γ] sampled draft tokens
@@ -138,13 +150,7 @@ class BlockDrafter(nn.Module):
             if self.config.head != "none":
                 bias, code, state = self.head_step(hidden[:, k], previous, state)
                 logits = logits + bias
-            if temperature == 0:
-                token = logits.argmax(-1)
-                prob = F.one_hot(token, logits.shape[-1]).to(logits.dtype)
-            else:
-                gumbel = -torch.log(-torch.log(noise[:, k]))
-                token = (logits / temperature + gumbel).argmax(-1)
-                prob = torch.softmax(logits / temperature, -1)
+            token, prob = pick(logits, temperature, None if noise is None else noise[:, k])
             if self.config.confidence:
                 confidence.append(torch.sigmoid(self.confidence_head(torch.cat([hidden[:, k], code], -1))[:, 0]))
             else:
@@ -153,3 +159,16 @@ class BlockDrafter(nn.Module):
             probs.append(prob)
             previous = token
         return Draft(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1))
+
+
+@torch.no_grad()
+def block_draft(drafter: BlockDrafter, committed: torch.Tensor, features: torch.Tensor, temperature: float,
+                noise: torch.Tensor | None) -> Draft:
+    """Draft γ tokens after the committed tokens [1, a+1] (the last is the anchor at position a), given the
+    target features [1, a, m·H] of positions 0..a-1."""
+    length, block = features.shape[1], drafter.config.block
+    ids = torch.full((1, block), drafter.config.mask_token_id)
+    ids[0, 0] = committed[0, -1]
+    hidden = drafter.backbone(ids, torch.arange(length, length + block)[None], drafter.fuse(features),
+                              torch.arange(length)[None], torch.ones(1, 1, block, length + block, dtype=torch.bool))
+    return drafter.draft(hidden, committed[:, -1], temperature, noise)

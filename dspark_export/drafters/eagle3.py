@@ -114,3 +114,36 @@ def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, le
 
     valid = torch.stack(valids, -1).cumprod(-1).bool()
     return {"total": total, "tau": expected_tau(torch.stack(tvs, -1), valid)}
+
+
+@torch.no_grad()
+def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torch.Tensor, temperature: float,
+                 noise: torch.Tensor | None):
+    """Draft γ tokens after the committed tokens [1, a+1] (the last one is the anchor), given target
+    features [1, a, m·H] of positions 0..a-1; the same attention pattern as `unroll` in training."""
+    from dspark_export.drafters.block import Draft, pick
+
+    length = features.shape[1]
+    hidden = drafter.fc(features)
+    q, k0, v0 = drafter.project(committed[:, 1 : length + 1], hidden, torch.arange(length)[None])
+    scale = 1.0 / math.sqrt(drafter.head_dim)
+    # step 0 of the last entry sees every step-0 entry
+    out = drafter.finish(torch.softmax(q[:, :, -1:] @ k0.transpose(-1, -2) * scale, -1) @ v0, hidden[:, -1:])
+    chain_k, chain_v, tokens, probs = [], [], [], []
+    for step in range(drafter.config.block):
+        token, prob = pick(drafter.logits(out)[:, -1], temperature, None if noise is None else noise[:, step])
+        tokens.append(token)
+        probs.append(prob)
+        if step == drafter.config.block - 1:
+            break
+        q, k, v = drafter.project(token[:, None], out, torch.tensor([[length + step]]))
+        chain_k.append(k)
+        chain_v.append(v)
+        scores = torch.cat([q @ k0.transpose(-1, -2)] + [(q * kj).sum(-1, keepdim=True) for kj in chain_k], -1) * scale
+        weights = torch.softmax(scores, -1)
+        attended = weights[..., :length] @ v0
+        for j, vj in enumerate(chain_v):
+            attended = attended + weights[..., length + j : length + j + 1] * vj
+        out = drafter.finish(attended, out)
+    tokens = torch.stack(tokens, 1)
+    return Draft(tokens, torch.stack(probs, 1), torch.ones(tokens.shape, dtype=features.dtype))

@@ -1,0 +1,39 @@
+"""Calibration metrics of predicted acceptance probabilities against realised outcomes (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def ece(predicted: np.ndarray, outcome: np.ndarray, bins: int = 20) -> float:
+    """Expected calibration error over equal-width bins: Σ_b (n_b / n)·|mean(pred_b) - mean(outcome_b)|."""
+    predicted, outcome = np.asarray(predicted, dtype=np.float64), np.asarray(outcome, dtype=np.float64)
+    if predicted.size == 0:
+        return float("nan")
+    index = np.minimum((predicted * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in np.unique(index):
+        members = index == b
+        total += members.sum() * abs(predicted[members].mean() - outcome[members].mean())
+    return float(total / predicted.size)
+
+
+def auc(predicted: np.ndarray, outcome: np.ndarray) -> float:
+    """Area under the ROC curve (the probability that a positive outranks a negative; ties count half)."""
+    predicted, outcome = np.asarray(predicted, dtype=np.float64), np.asarray(outcome).astype(bool)
+    positives, negatives = outcome.sum(), (~outcome).sum()
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = np.argsort(predicted, kind="mergesort")
+    ranks = np.empty(len(predicted), dtype=np.float64)
+    sorted_values = predicted[order]
+    # average ranks over ties
+    _, starts, counts = np.unique(sorted_values, return_index=True, return_counts=True)
+    for start, count in zip(starts, counts):
+        ranks[order[start : start + count]] = start + (count + 1) / 2
+    return float((ranks[outcome].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def brier(predicted: np.ndarray, outcome: np.ndarray) -> float:
+    predicted, outcome = np.asarray(predicted, dtype=np.float64), np.asarray(outcome, dtype=np.float64)
+    return float(np.mean((predicted - outcome) ** 2)) if predicted.size else float("nan")

@@ -1,0 +1,88 @@
+"""The lossless verifier: exact algebra, and a sampled two-token chain against the target's distribution
+(with broken verifiers as negative controls, so the test provably has the power to fail)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_runtime.verify import residual, verify_greedy, verify_sampled
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+def random_probs(rng, size, kind="dirichlet"):
+    if kind == "onehot":
+        out = np.zeros(size)
+        out[rng.integers(size)] = 1.0
+        return out
+    return rng.dirichlet(np.full(size, 0.5))
+
+
+@pytest.mark.parametrize("kind", ["dirichlet", "onehot", "equal", "disjoint"])
+def test_accept_plus_residual_mass_is_the_target(kind):
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        target = random_probs(rng, 6, "onehot" if kind == "onehot" else "dirichlet")
+        draft = {"equal": target, "disjoint": np.roll(np.eye(6)[np.argmax(target)], 1)}.get(kind, random_probs(rng, 6))
+        accept = draft * np.minimum(1.0, np.divide(target, draft, out=np.zeros(6), where=draft > 0))
+        emitted = accept + (1 - accept.sum()) * residual(target, draft)
+        assert np.allclose(emitted, target, atol=1e-12)
+        assert np.isfinite(residual(target, target)).all()
+
+
+def test_greedy_rule():
+    assert verify_greedy(np.array([5, 6, 7, 8]), np.array([5, 6, 7])) == (3, 8)  # all kept, bonus
+    assert verify_greedy(np.array([5, 9, 7, 8]), np.array([5, 6, 7])) == (1, 9)  # early mismatch
+    assert verify_greedy(np.array([4, 6]), np.array([5])) == (0, 4)
+
+
+# A context-dependent toy: first-token and second-token-given-first distributions for target and draft.
+V = 3
+TARGET_1 = np.array([0.5, 0.3, 0.2])
+TARGET_2 = np.array([[0.1, 0.6, 0.3], [0.7, 0.2, 0.1], [0.3, 0.3, 0.4]])
+DRAFT_1 = np.array([0.2, 0.2, 0.6])
+DRAFT_2 = np.array([[0.4, 0.4, 0.2], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2]])
+
+
+def reject_from_target(target_probs, draft_probs, draft_tokens, rng):
+    """Accepts with min(1, p/q) but resamples from p itself on rejection (the classic bug)."""
+    for k, token in enumerate(draft_tokens):
+        if rng.random() * draft_probs[k, token] >= target_probs[k, token]:
+            return k, int(rng.choice(V, p=target_probs[k]))
+    return len(draft_tokens), int(rng.choice(V, p=target_probs[len(draft_tokens)]))
+
+
+def always_accept(target_probs, draft_probs, draft_tokens, rng):
+    return len(draft_tokens), int(rng.choice(V, p=target_probs[len(draft_tokens)]))
+
+
+def first_two_tokens(verifier, samples: int, seed: int) -> np.ndarray:
+    """Counts [V, V] of the first two emitted tokens when drafting two tokens per round."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(samples):
+        d1 = rng.choice(V, p=DRAFT_1)
+        d2 = rng.choice(V, p=DRAFT_2[d1])
+        target_probs = np.stack([TARGET_1, TARGET_2[d1], np.full(V, 1 / V)])
+        accepted, token = verifier(target_probs, np.stack([DRAFT_1, DRAFT_2[d1]]), np.array([d1, d2]), rng)
+        if accepted == 0:  # a new round would draft the second token given the first
+            second = rng.choice(V, p=TARGET_2[token])
+            counts[token, second] += 1
+        elif accepted == 1:
+            counts[d1, token] += 1
+        else:
+            counts[d1, d2] += 1
+    return counts
+
+
+def p_value(counts: np.ndarray) -> float:
+    expected = (TARGET_1[:, None] * TARGET_2).ravel() * counts.sum()
+    return scipy_stats.chisquare(counts.ravel(), expected).pvalue
+
+
+def test_sampled_chain_matches_the_target_and_broken_rules_fail():
+    samples = 40_000
+    assert p_value(first_two_tokens(verify_sampled, samples, seed=1)) > 1e-3
+    assert p_value(first_two_tokens(reject_from_target, samples, seed=2)) < 1e-6
+    assert p_value(first_two_tokens(always_accept, samples, seed=3)) < 1e-6
