@@ -18,6 +18,11 @@ def target_options(command):
                         help="Named architecture; weights from --target-path or the local Hugging Face cache.")(command)
 
 
+def default_to_demo(target: str | None, target_path: str | None) -> tuple[str | None, str | None]:
+    """Commands that need weights use the bundled demo when no target is named."""
+    return (target or (None if target_path else "demo")), target_path
+
+
 @click.group(cls=DSparkGroup)
 def main() -> None:
     """Export Qwen3 targets and DSpark drafters for the DSpark runtime."""
@@ -44,3 +49,94 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 
     report = describe_target(resolve_target(target, target_path), slots, context, kv_dtype)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+@main.command()
+@target_options
+@click.option("--drafter-type", type=click.Choice(["dspark", "dflash", "eagle3"]), default="dspark", show_default=True)
+@click.option("--head", type=click.Choice(["markov", "rnn"]), default="markov", show_default=True, help="DSpark's sequential head.")
+@click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Drafter layers.")
+@click.option("--block", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
+@click.option("--markov-rank", type=click.IntRange(min=1), default=None, help="Rank r of the Markov head (default by vocabulary).")
+@click.option("--feature-layers", default=None, help="Comma-separated target layers (default: evenly spaced from 1 to L-3).")
+@click.option("--data", type=click.Path(dir_okay=False, exists=True), required=True, help="Self-distillation .npz.")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Drafter folder to write.")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
+@click.option("--anchors", type=click.IntRange(min=1), default=32, show_default=True, help="Anchor blocks per sequence.")
+@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--until", type=click.IntRange(min=1), default=None, help="Stop at this step (resume later with the same command).")
+def train(target, target_path, drafter_type, head, layers, block, markov_rank, feature_layers, data, out, steps, batch,
+          anchors, lr, until) -> None:
+    """Train a drafter against a frozen target (target features computed online; resumable).
+
+    \b
+    Example:
+      dspark-export train --target demo --drafter-type dspark --data build/demo/distill.npz --out drafters/dspark
+    The run folder OUT.run keeps checkpoints: rerun the same command to resume.
+    """
+    from pathlib import Path
+
+    from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter
+    from dspark_export.drafters.data import Sequences
+    from dspark_export.drafters.train import DrafterTrainConfig, new_drafter_config, train_drafter
+    from dspark_export.loading import load_target
+    from dspark_export.presets import resolve_target
+
+    spec = resolve_target(*default_to_demo(target, target_path))
+    model, tokenizer = load_target(spec)
+    layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
+    config = new_drafter_config(spec, tokenizer, drafter_type, head, layers, block, markov_rank, layers_list)
+    drafter = build_drafter(config)
+    attach_target(drafter, model)
+    cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
+    train_drafter(drafter, model, Sequences.load(data), Path(out + ".run"), cfg, until=until)
+    if until is None or until >= steps:
+        save_drafter(drafter, out)
+        click.echo(f"drafter written to {out}")
+
+
+@main.command("eval")
+@target_options
+@click.option("--drafter", "drafters", multiple=True, required=True, help="Drafter folder or bundled name (repeatable).")
+@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None, help="JSON-lines prompts (default: the demo's).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option("--max-new", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens generated per prompt.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of per-position acceptance curves.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def evaluate_command(target, target_path, drafters, prompts, temperature, max_new, limit, seed, plot, as_json) -> None:
+    """Measure drafters offline: real drafting and the lossless acceptance rule on target generations.
+
+    \b
+    Example:
+      dspark-export eval --target demo --drafter demo-dspark --drafter demo-dflash --temperature 1 --json
+    """
+    import json as json_module
+
+    from tqdm import tqdm
+
+    from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.drafters.checkpoint import load_drafter
+    from dspark_export.drafters.evaluate import evaluate, plot_acceptance
+    from dspark_export.loading import load_target
+    from dspark_export.presets import resolve_target
+    from dspark_runtime.prompts import read_prompts
+
+    spec = resolve_target(*default_to_demo(target, target_path))
+    model, tokenizer = load_target(spec)
+    if prompts is None:
+        from dspark_export.demo.build import prompts_path
+
+        prompts = prompts_path()
+    loaded = {name: load_drafter(resolve_drafter(name), model, tokenizer.vocab_hash()) for name in drafters}
+    rows = read_prompts(prompts, limit)
+    results = []
+    for name, drafter in loaded.items():
+        with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:
+            result = {"drafter": name} | evaluate(model, drafter, rows, tokenizer, temperature, max_new, seed, bar.update)
+        results.append(result)
+    if plot:
+        plot_acceptance(results, plot)
+    click.echo(json_module.dumps(results[0] if len(results) == 1 else {"results": results}, indent=None if as_json else 2))

@@ -109,13 +109,10 @@ def distill(model: Qwen3Model, prompts: list[tuple[str, list[int]]], max_new: in
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(target, target_path, corpus, out, per_domain, max_new, batch, seed) -> None:
     """Generate self-distillation sequences from the target for drafter training."""
-    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
-    from dspark_runtime.tokenizer import ChatTokenizer
 
-    spec = resolve_target(target, target_path)
-    model = Qwen3Model.from_checkpoint(Checkpoint(spec.require_path(), spec.config), "float32")
-    tokenizer = ChatTokenizer.from_dir(spec.require_path())
+    model, tokenizer = load_target(resolve_target(target, target_path))
     prompts = training_prompts(corpus, tokenizer, per_domain, code_prompt_tokens=64, seed=seed)
     data = distill(model, prompts, max_new, batch, seed)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from dspark_calibration.metrics import auc, ece
 from dspark_export.drafters.block import block_draft
 from dspark_export.drafters.eagle3 import eagle3_draft
 from dspark_export.model import Qwen3Model
-from dspark_runtime.verify import verify_greedy, verify_sampled
+from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -45,24 +45,22 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
     rng = np.random.default_rng(seed)
     noise_gen = torch.Generator().manual_seed(seed)
     target.setup_caches(1, len(prompt) + max_new + config.block + 1)
-    committed = torch.tensor([prompt])
-    length = len(prompt) - 1  # positions 0..length-1 go through the target now; the last prompt token is the anchor
-    out = target(committed[:, :length], torch.arange(length)[None], config.feature_layers, use_cache=True, logits=False)
+    # prefill the prompt and sample the first token from the target alone; it becomes the first anchor
+    length = len(prompt)
+    out = target(torch.tensor([prompt]), torch.arange(length)[None], config.feature_layers, use_cache=True)
     features = torch.cat([out.features[layer] for layer in config.feature_layers], -1)
-    result = Generation([])
+    first = verify_token(out.logits[0, -1:].float(), temperature, rng)
+    committed = torch.tensor([prompt + [first]])
+    result = Generation([first])
+    if first in stop_ids:
+        return result
     while len(result.tokens) < max_new:
         noise = torch.rand(1, config.block, generator=noise_gen).clamp_(1e-12, 1 - 1e-7)
         draft = draft_fn(drafter, committed, features, temperature, noise)
         block = torch.cat([committed[:, -1:], draft.tokens], 1)
         verify = target(block, torch.arange(length, length + config.block + 1)[None], config.feature_layers, use_cache=True)
-        logits = verify.logits[0].float()
-        drafts = draft.tokens[0].numpy()
-        if temperature == 0:
-            accepted, token = verify_greedy(logits.argmax(-1).numpy(), drafts)
-        else:
-            target_probs = torch.softmax(logits / temperature, -1).double().numpy()
-            accepted, token = verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, rng)
-        new = drafts[:accepted].tolist() + [token]
+        accepted, token = verify_drafts(verify.logits[0].float(), draft, temperature, rng)
+        new = draft.tokens[0, :accepted].tolist() + [token]
         result.rounds.append(RoundRecord(accepted, config.block, draft.confidence[0].tolist()))
         step_features = torch.cat([verify.features[layer] for layer in config.feature_layers], -1)
         features = torch.cat([features, step_features[:, : accepted + 1]], 1)
@@ -73,6 +71,22 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
             if t in stop_ids or len(result.tokens) >= max_new:
                 return result
     return result
+
+
+def verify_drafts(logits: torch.Tensor, draft, temperature: float, rng: np.random.Generator) -> tuple[int, int]:
+    """The runtime's verifier on the target's logits [γ+1, V] for one request's drafts."""
+    drafts = draft.tokens[0].numpy()
+    if temperature == 0:
+        return verify_greedy(logits.argmax(-1).numpy(), drafts)
+    target_probs = torch.softmax(logits / temperature, -1).double().numpy()
+    return verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, rng)
+
+
+def verify_token(logits: torch.Tensor, temperature: float, rng: np.random.Generator) -> int:
+    """A plain target step (no drafts): the argmax, or a sample at the temperature."""
+    if temperature == 0:
+        return int(logits[0].argmax())
+    return sample(torch.softmax(logits[0] / temperature, -1).double().numpy(), rng)
 
 
 def summarize(rounds: list[RoundRecord], block: int) -> dict:
@@ -92,3 +106,44 @@ def summarize(rounds: list[RoundRecord], block: int) -> dict:
         "ece": [round(ece(survival[:, k], prefix[:, k]), 4) for k in range(block)],
         "auc": [round(auc(survival[:, k], prefix[:, k]), 4) for k in range(block)],
     }
+
+
+def evaluate(target: Qwen3Model, drafter, prompts: list[dict], tokenizer, temperature: float, max_new: int,
+             seed: int = 0, progress=None) -> dict:
+    """Run every prompt through speculative generation; τ overall and per domain, acceptance, calibration."""
+    stop_ids = tuple(tokenizer.eos_token_ids)
+    by_domain: dict[str, list[RoundRecord]] = {}
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt["prompt"])
+        generation = speculative_generate(target, drafter, ids, max_new, temperature, seed + index, stop_ids)
+        by_domain.setdefault(prompt.get("domain", "all"), []).extend(generation.rounds)
+        if progress:
+            progress()
+    block = drafter.config.block
+    every = [r for rounds in by_domain.values() for r in rounds]
+    result = {"block": block, "temperature": temperature} | summarize(every, block)
+    result["per_domain"] = {domain: summarize(rounds, block) for domain, rounds in by_domain.items()}
+    result["tau_macro"] = float(np.mean([d["tau"] for d in result["per_domain"].values()]))
+    return result
+
+
+def plot_acceptance(results: list[dict], file) -> None:
+    """Per-position conditional acceptance of several drafters side by side (one PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for result in results:
+        curve = result["per_position_acceptance"]
+        axis.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{result['drafter']} (τ={result['tau']:.2f})")
+    axis.set_xlabel("draft position k")
+    axis.set_ylabel("P(accept k | accepted 1..k-1)")
+    axis.set_ylim(0, 1)
+    axis.set_title(f"conditional acceptance, T={results[0]['temperature']}")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(file)
+    plt.close(figure)

@@ -109,3 +109,27 @@ def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: 
             folder.save(drafter, optimizer, step, skip=drafter.frozen_names())
     bar.close()
     return drafter.eval()
+
+
+def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: int, block: int,
+                       markov_rank: int | None, feature_layers: tuple[int, ...] | None):
+    """A drafter config for a target: DFlash and EAGLE-3 have no sequential or confidence head."""
+    from dspark_export.drafters.config import DrafterConfig, default_feature_layers, default_markov_rank
+
+    target = spec.config
+    mask = tokenizer.special.get("<|mask|>", tokenizer.special.get("<|MASK|>"))
+    if mask is None:
+        mask = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    is_dspark = drafter_type == "dspark"
+    return DrafterConfig(
+        drafter_type=drafter_type,
+        target=target.architecture_fields() | {"dtype": target.dtype},
+        vocab_hash=tokenizer.vocab_hash(),
+        mask_token_id=int(mask),
+        num_layers=layers,
+        block=block,
+        feature_layers=tuple(feature_layers or default_feature_layers(target.num_hidden_layers, layers)),
+        head=head if is_dspark else "none",
+        markov_rank=markov_rank or default_markov_rank(target.vocab_size),
+        confidence=is_dspark,
+    )

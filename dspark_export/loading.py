@@ -1,0 +1,20 @@
+"""Load a resolved target (weights + tokenizer) into torch."""
+
+from __future__ import annotations
+
+from dspark_export.checkpoint import Checkpoint
+from dspark_export.model import Qwen3Model
+from dspark_export.presets import TargetSpec
+from dspark_runtime.errors import CheckpointError
+from dspark_runtime.tokenizer import ChatTokenizer
+
+
+def load_target(spec: TargetSpec, dtype: str = "float32") -> tuple[Qwen3Model, ChatTokenizer]:
+    """The target model in `dtype` and its tokenizer, from the spec's checkpoint folder."""
+    folder = spec.require_path()
+    tokenizer = ChatTokenizer.from_dir(folder)
+    if tokenizer.vocab_size > spec.config.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
+        )
+    return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype), tokenizer

@@ -1,0 +1,38 @@
+"""Benchmark prompt files (DESIGN §9): JSON lines `{"domain": ..., "prompt": ..., "messages": [...]?}`."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from dspark_runtime.errors import DSparkError
+
+
+def read_prompts(file: str | Path, per_domain: int | None = None) -> list[dict]:
+    """The prompts of a file, the first `per_domain` of each domain when given."""
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DSparkError(f"cannot read prompts from {file}: {exc}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DSparkError(f"{file}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DSparkError(f'{file}:{number}: each line needs a "prompt" string')
+        rows.append(row)
+    if per_domain is None:
+        return rows
+    seen: Counter = Counter()
+    kept = []
+    for row in rows:
+        domain = row.get("domain", "all")
+        if seen[domain] < per_domain:
+            seen[domain] += 1
+            kept.append(row)
+    return kept
