@@ -1,4 +1,4 @@
-"""Pretrain the demo target on the token streams: bf16 autocast on CPU, resumable, logged.
+"""Pretrain the demo target on the token streams: resumable and logged (bf16 autocast only where the CPU has fast bf16).
 
 The run folder holds `state.pt` (model, optimiser, step; rewritten atomically every
 `checkpoint_every` steps) and `log.jsonl` (one line per log interval and evaluation). Restarting
@@ -8,7 +8,6 @@ the same command resumes where the last checkpoint left off, with the same data 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from dspark_export.config import Qwen3Config
 from dspark_export.demo.corpus import DOMAINS
 from dspark_export.demo.tokens import load_stream
 from dspark_export.model import Qwen3Model
+from dspark_export.training import RunFolder, learning_rate
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,6 @@ def sample_batch(streams: dict[str, np.ndarray], weights: dict[str, float], batc
         start = int(rng.integers(0, len(stream) - seq_len - 1))
         rows.append(stream[start : start + seq_len + 1].astype(np.int64))
     return torch.from_numpy(np.stack(rows))
-
-
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def bf16_is_fast() -> bool:
@@ -113,42 +105,33 @@ def train(model_config: Qwen3Config, tokens: Path, run: Path, cfg: TrainConfig, 
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.95), fused=False,
     )
-    state_file, log_file = run / "state.pt", run / "log.jsonl"
-    step = 0
-    if state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+    folder = RunFolder(run)
+    step = folder.resume(model, optimizer)
     (run / "config.json").write_text(json.dumps({"model": asdict(model_config), "train": asdict(cfg)}, indent=2))
     model.train()
     smoothed, started, tokens_per_step = None, time.time(), cfg.batch * cfg.seq_len
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
-    with log_file.open("a") as log:
-        while step < min(cfg.steps, until or cfg.steps):
-            rng = np.random.default_rng([cfg.seed, step])  # data order depends on the step only: resumable
-            window = sample_batch(train_streams, cfg.domain_weights, cfg.batch, cfg.seq_len, rng)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, cfg)
-            loss = lm_loss(model, window)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            step += 1
-            smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
-            rate = (step - bar.initial) * tokens_per_step / (time.time() - started)
-            bar.set_postfix(loss=f"{smoothed:.3f}", tok_s=f"{rate:.0f}")
-            bar.update()
-            record = {"step": step, "tokens": step * tokens_per_step, "loss": round(smoothed, 4), "time": round(time.time(), 1)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                record["val"] = evaluate(model, val_streams, cfg)
-            if step % 10 == 0 or "val" in record:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            if step % cfg.checkpoint_every == 0 or step in (cfg.steps, until):
-                tmp = state_file.with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
-                tmp.replace(state_file)
+    while step < min(cfg.steps, until or cfg.steps):
+        rng = np.random.default_rng([cfg.seed, step])  # data order depends on the step only: resumable
+        window = sample_batch(train_streams, cfg.domain_weights, cfg.batch, cfg.seq_len, rng)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+        loss = lm_loss(model, window)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        rate = (step - bar.initial) * tokens_per_step / (time.time() - started)
+        bar.set_postfix(loss=f"{smoothed:.3f}", tok_s=f"{rate:.0f}")
+        bar.update()
+        record = {"step": step, "tokens": step * tokens_per_step, "loss": round(smoothed, 4), "time": round(time.time(), 1)}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            record["val"] = evaluate(model, val_streams, cfg)
+        if step % 10 == 0 or "val" in record:
+            folder.log(record)
+        if step % cfg.checkpoint_every == 0 or step in (cfg.steps, until):
+            folder.save(model, optimizer, step)
     bar.close()
     return model.eval()

@@ -1,0 +1,110 @@
+"""`DSparkVarlenAttention` as an ONNX model-local function with a standard-op body.
+
+ONNX Runtime inlines the body; TensorRT >= 10.7 swaps in the registered plugin because the call node
+carries `plugin_namespace`/`plugin_version`. The body pads each request's new tokens to [S, n_max]
+(ScatterND at (slot, offset in request)), runs one batched attention per request against its own
+cache rows (masked beyond `cache_len`), and unpads with GatherND. Scores and softmax are float32 for
+every input precision. (`research/varlen-attention-cpu.md`: the padded body is the best standard-op
+form for batches; attending over the whole flattened cache or gathering per token is 5-20x slower.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import FunctionProto, NodeProto, TensorProto, helper
+
+from dspark_plugins.builder import GraphBuilder
+from dspark_plugins.contract import DOMAIN, INPUTS, OP_TYPE, OUTPUTS, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+OPSET = 21
+NEG = -1e30  # masked score; scores are float32, so half-precision graphs do not overflow
+
+
+def varlen_attention_function() -> FunctionProto:
+    """The FunctionProto (domain `dspark`), with attributes `block` (int 0/1) and `scale` (float)."""
+    b = GraphBuilder("va_")
+    zero, one = b.const(0), b.const(1)
+    ax0, ax1, ax2, last = b.const([0]), b.const([1]), b.const([2]), b.const([-1])
+    q_shape, cache_shape = b.op("Shape", "q"), b.op("Shape", "k_cache")
+    tokens, slots_n = b.op("Gather", q_shape, ax0), b.op("Gather", cache_shape, ax0)
+    q_heads, kv_heads = b.op("Gather", q_shape, ax1), b.op("Gather", cache_shape, ax1)
+    max_len, dim = b.op("Gather", cache_shape, ax2), b.op("Gather", cache_shape, b.const([3]))
+    group = b.op("Div", q_heads, kv_heads)
+
+    # offset of each token inside its request = t - (index of the request's first token)
+    slot_ids = b.op("Range", zero, b.op("Squeeze", slots_n, ax0), one)  # [S]
+    slot_col = b.op("Unsqueeze", "slot", last)  # [T, 1]
+    member = b.op("Equal", slot_col, slot_ids)  # [T, S]
+    counts = b.op("ReduceSum", b.op("Cast", member, to=TensorProto.INT64), ax0, keepdims=0)  # [S]
+    token_ids = b.op("Range", zero, b.op("Squeeze", tokens, ax0), one)
+    first = b.op("ReduceMin", b.op("Where", member, b.op("Unsqueeze", token_ids, last), tokens), ax0, keepdims=0)
+    offset = b.op("Sub", token_ids, b.op("Gather", first, "slot"))  # [T]
+    n_max = b.op("ReduceMax", counts, ax0, keepdims=1)  # [1]
+    pad_index = b.op("Concat", slot_col, b.op("Unsqueeze", offset, last), axis=1)  # [T, 2]
+
+    def pad(values: str, heads: str) -> str:
+        """[T, H, D] -> [S, n_max, H, D], zeros where a request has fewer tokens."""
+        zeros = b.op("CastLike", b.op("ConstantOfShape", b.op("Concat", slots_n, n_max, heads, dim, axis=0)), values)
+        return b.op("ScatterND", zeros, pad_index, values)
+
+    q_pad, k_pad, v_pad = pad("q", q_heads), pad("k_new", kv_heads), pad("v_new", kv_heads)
+    minus_one = helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])
+    pos_pad = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", slots_n, n_max, axis=0), value=minus_one),
+                   pad_index, "pos")  # [S, n_max]; -1 marks padding
+
+    # queries grouped by their KV head: [S, n, Hkv, g, D] -> [S, Hkv, g, n, D], float32
+    q5 = b.op("Reshape", q_pad, b.op("Concat", slots_n, n_max, kv_heads, group, dim, axis=0))
+    q32 = b.op("Cast", b.op("Transpose", q5, perm=[0, 2, 3, 1, 4]), to=TensorProto.FLOAT)
+    scale = b.attribute_const("scale", "float")
+
+    # scores against the request's own cache rows: [S, Hkv, g, n, Lmax]
+    k_cache32 = b.op("Cast", b.op("Unsqueeze", "k_cache", ax2), to=TensorProto.FLOAT)  # [S, Hkv, 1, Lmax, D]
+    cache_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_cache32, perm=[0, 1, 2, 4, 3])), scale)
+    key_ids = b.op("Range", zero, b.op("Squeeze", max_len, ax0), one)
+    cache_visible = b.op("Less", key_ids, b.op("Unsqueeze", "cache_len", last))  # [S, Lmax]
+    cache_mask = b.op("Unsqueeze", cache_visible, b.const([1, 2, 3]))  # [S, 1, 1, 1, Lmax]
+    neg = b.const(NEG, np.float32)
+    cache_scores = b.op("Where", cache_mask, cache_scores, neg)
+
+    # scores against the request's new tokens: [S, Hkv, g, n, n]
+    k_new5 = b.op("Unsqueeze", b.op("Transpose", k_pad, perm=[0, 2, 1, 3]), ax2)  # [S, Hkv, 1, n, D]
+    k_new32 = b.op("Cast", k_new5, to=TensorProto.FLOAT)
+    new_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_new32, perm=[0, 1, 2, 4, 3])), scale)
+    pos_query, pos_key = b.op("Unsqueeze", pos_pad, last), b.op("Unsqueeze", pos_pad, ax1)  # [S, n, 1], [S, 1, n]
+    block = b.op("Cast", b.attribute_const("block", "int"), to=TensorProto.BOOL)
+    order_ok = b.op("Or", b.op("LessOrEqual", pos_key, pos_query), block)
+    new_visible = b.op("And", order_ok, b.op("GreaterOrEqual", pos_key, zero))  # padding keys never seen
+    new_mask = b.op("Unsqueeze", new_visible, b.const([1, 2]))  # [S, 1, 1, n, n]
+    new_scores = b.op("Where", new_mask, new_scores, neg)
+
+    weights = b.op("Softmax", b.op("Concat", cache_scores, new_scores, axis=-1), axis=-1)
+    cache_weights, new_weights = b.op("Split", weights, b.op("Concat", max_len, n_max, axis=0), axis=-1, outputs=2)
+    v_cache32 = b.op("Cast", b.op("Unsqueeze", "v_cache", ax2), to=TensorProto.FLOAT)
+    v_new32 = b.op("Cast", b.op("Unsqueeze", b.op("Transpose", v_pad, perm=[0, 2, 1, 3]), ax2), to=TensorProto.FLOAT)
+    attended = b.op("Add", b.op("MatMul", cache_weights, v_cache32), b.op("MatMul", new_weights, v_new32))
+
+    # [S, Hkv, g, n, D] -> [S, n, Hq, D] -> the T real tokens
+    per_token = b.op("Transpose", attended, perm=[0, 3, 1, 2, 4])
+    padded_out = b.op("Reshape", per_token, b.op("Concat", slots_n, n_max, q_heads, dim, axis=0))
+    out = b.op("GatherND", padded_out, pad_index)
+    b.op("CastLike", out, "q", name="out")
+    return helper.make_function(
+        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), b.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        attributes=["block", "scale", "plugin_namespace", "plugin_version"],
+    )
+
+
+def varlen_attention_node(inputs: list[str], output: str, head_dim: int, block: bool = False,
+                          name: str | None = None) -> NodeProto:
+    """A call of the op, carrying the TensorRT plugin attributes."""
+    return helper.make_node(
+        OP_TYPE, inputs, [output], name=name, domain=DOMAIN, block=int(block), scale=1.0 / math.sqrt(head_dim),
+        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION,
+    )
+
+
+def opset_imports() -> list:
+    return [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
