@@ -1,0 +1,102 @@
+"""How many drafts of each request the target verifies this step (DSpark §3.2.2, Algorithm 1, §5.2).
+
+Inputs are prefix-survival probabilities a[r, j] = Π_{i≤j} c[r, i] from calibrated confidences
+(non-increasing in j) and the measured speed curve SPS(B; R) = 1 / (t_draft(R) + t_target(B)).
+Verifying ℓ_r drafts of each of R requests sends B = Σ (1 + ℓ_r) tokens and yields
+τ = Σ (1 + Σ_{j<ℓ_r} a[r, j]) tokens in expectation; schedulers maximise Θ = τ·SPS(B).
+
+Lossless by construction: `sync` decides candidate (r, j) when it reaches it in descending order of a
+and stops at the first non-improvement, so nothing that depends on a later draft token influences
+whether an earlier one is verified; `async` takes its capacity from confidences two steps old and
+then the top K by current a (no stop needed). A global search without the stop is *not* lossless
+(paper Appendix A; see the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SpeedCurve:
+    """Measured step costs: target_seconds[B - 1] for B tokens, draft_seconds[R - 1] for R requests."""
+
+    target_seconds: np.ndarray
+    draft_seconds: np.ndarray
+
+    @staticmethod
+    def _lookup(table: np.ndarray, index: int) -> float:
+        if index <= len(table):
+            return float(table[max(index, 1) - 1])
+        slope = float(table[-1] - table[-2]) if len(table) > 1 else float(table[-1])
+        return float(table[-1]) + slope * (index - len(table))  # linear beyond the measured range
+
+    def steps_per_second(self, tokens: int, requests: int) -> float:
+        return 1.0 / (self._lookup(self.draft_seconds, requests) + self._lookup(self.target_seconds, tokens))
+
+
+def candidates(survival: np.ndarray) -> list[tuple[float, int, int]]:
+    """(a, j, r) with a > 0, best first; ties broken by position then request so prefixes stay ordered."""
+    rows, cols = np.nonzero(survival > 0)
+    order = sorted(zip(-survival[rows, cols], cols, rows))
+    return [(-neg_a, int(j), int(r)) for neg_a, j, r in order]
+
+
+def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> np.ndarray:
+    """Algorithm 1: admit candidates while Θ strictly improves; stop at the first that does not.
+
+    survival [R, γ] -> drafts to verify per request [R] (at most `cap` each).
+    """
+    requests, block = survival.shape
+    cap = block if cap is None else min(cap, block)
+    lengths = np.zeros(requests, dtype=np.int64)
+    tokens, expected = requests, float(requests)
+    best = expected * curve.steps_per_second(tokens, requests)
+    for a, j, r in candidates(survival[:, :cap]):
+        theta = (expected + a) * curve.steps_per_second(tokens + 1, requests)
+        if theta <= best:
+            break
+        best, tokens, expected = theta, tokens + 1, expected + a
+        lengths[r] = j + 1
+    return lengths
+
+
+def capacity(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> int:
+    """Drafts worth verifying along the greedy path, searched globally (for `async`, on old confidences)."""
+    requests, block = survival.shape
+    path = candidates(survival[:, : (block if cap is None else min(cap, block))])
+    gains = np.concatenate([[0.0], np.cumsum([a for a, _, _ in path])])
+    thetas = [(requests + gains[k]) * curve.steps_per_second(requests + k, requests) for k in range(len(path) + 1)]
+    return int(np.argmax(thetas))
+
+
+def schedule_top_k(survival: np.ndarray, budget: int, cap: int | None = None) -> np.ndarray:
+    """The `budget` best candidates by current a (prefix-closed per request)."""
+    requests, block = survival.shape
+    lengths = np.zeros(requests, dtype=np.int64)
+    for _, j, r in candidates(survival[:, : (block if cap is None else min(cap, block))])[:budget]:
+        lengths[r] = max(lengths[r], j + 1)
+    return lengths
+
+
+def schedule_fixed(requests: int, drafts: int, block: int) -> np.ndarray:
+    return np.full(requests, min(drafts, block), dtype=np.int64)
+
+
+class AsyncScheduler:
+    """`async`: this step verifies the top K drafts by current a, where K was computed (global search, no
+    stop) from the confidences of two steps earlier; the first two steps verify one draft per request."""
+
+    def __init__(self, curve: SpeedCurve, cap: int | None = None, lag: int = 2):
+        self.curve, self.cap = curve, cap
+        self.pending: list[int | None] = [None] * lag  # None: cold start
+
+    def schedule(self, survival: np.ndarray) -> np.ndarray:
+        budget = self.pending.pop(0)
+        if budget is None:
+            budget = survival.shape[0]
+        lengths = schedule_top_k(survival, budget, self.cap)
+        self.pending.append(capacity(survival, self.curve, self.cap))
+        return lengths

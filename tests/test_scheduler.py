@@ -1,0 +1,122 @@
+"""Verification schedulers: hand-computed cases, and the paper's Appendix-A construction, which the
+early-stopping scheduler passes and a global search (kept here, in the tests only) fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_runtime.scheduler import AsyncScheduler, SpeedCurve, candidates, capacity, schedule_sync, schedule_top_k
+from dspark_runtime.verify import verify_sampled
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+def curve_from_sps(sps: list[float]) -> SpeedCurve:
+    """A curve whose SPS(B) for one request is `sps[B - 1]` (no drafter cost)."""
+    return SpeedCurve(1.0 / np.asarray(sps), np.zeros(1))
+
+
+def test_flat_curve_verifies_everything():
+    survival = np.cumprod(np.full((2, 4), 0.5), axis=1)
+    flat = SpeedCurve(np.full(16, 0.01), np.full(4, 0.001))
+    assert schedule_sync(survival, flat).tolist() == [4, 4]
+
+
+def test_steep_curve_cuts():
+    survival = np.cumprod(np.array([[0.9, 0.5, 0.5, 0.5]]), axis=1)  # a = .9, .45, .225, .1125
+    steep = SpeedCurve(np.array([1.0, 1.1, 1.6, 2.5, 4.0]), np.zeros(1))
+    # Θ: 1/1 -> 1.9/1.1 = 1.73 -> 2.35/1.6 = 1.47 (stop): verify one draft
+    assert schedule_sync(survival, steep).tolist() == [1]
+
+
+def test_budget_goes_to_the_confident_request():
+    survival = np.array([[0.95, 0.9, 0.85], [0.05, 0.0025, 0.0001]])
+    curve = SpeedCurve(np.array([1.0, 1.0, 1.05, 1.1, 1.3, 1.6, 2.0]), np.zeros(2))
+    assert schedule_sync(survival, curve).tolist() == [3, 0]
+    assert schedule_top_k(survival, 3).tolist() == [3, 0]
+
+
+def test_ties_keep_prefix_order():
+    survival = np.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.5]])
+    order = [(j, r) for _, j, r in candidates(survival)]
+    assert order.index((0, 0)) < order.index((1, 0)) < order.index((2, 0))
+    assert schedule_top_k(survival, 2).tolist() == [1, 1]
+
+
+def test_async_uses_capacity_from_two_steps_earlier():
+    curve = SpeedCurve(np.array([1.0, 1.0, 1.0, 1.0, 3.0, 9.0]), np.zeros(2))
+    scheduler = AsyncScheduler(curve)
+    confident, hopeless = np.full((2, 3), 0.99), np.full((2, 3), 0.01)
+    assert scheduler.schedule(confident).tolist() == [1, 1]  # cold start: one draft each
+    assert scheduler.schedule(hopeless).tolist() == [1, 1]
+    assert capacity(confident, curve) == 2
+    assert scheduler.schedule(hopeless).sum() == 2  # K from step 1 (confident), choice from now
+    assert scheduler.schedule(confident).sum() == capacity(hopeless, curve)
+
+
+# ---- Appendix A (R = 1, γ = 2): scheduler decisions that peek at x1 break losslessness ------------
+
+def schedule_global(survival: np.ndarray, curve: SpeedCurve) -> np.ndarray:
+    """Global search along the greedy path, no early stop: NOT lossless (used only as a negative control)."""
+    budget = capacity(survival, curve)
+    return schedule_top_k(survival, budget)
+
+
+TARGET_1, DRAFT = np.array([0.7, 0.3]), np.array([0.5, 0.5])
+A, B = 0, 1
+
+
+def emit(lengths: int, drafts, target_rows, draft_rows, rng) -> list[int]:
+    """Verify `lengths` drafts; the round's emitted tokens."""
+    accepted, token = verify_sampled(np.stack(target_rows[: lengths + 1]), np.reshape(draft_rows[:lengths], (lengths, 2)),
+                                     np.array(drafts[:lengths], dtype=np.int64), rng)
+    return list(drafts[:accepted]) + [token]
+
+
+def first_token_frequency(scheduler, curve, samples, seed) -> float:
+    """Case 1: c1 = 0.8 always; c2 = 0.9 if x1 = A else 0. How often is the first emitted token A?"""
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(samples):
+        x1 = int(rng.integers(2))  # drafted from p_d = (0.5, 0.5)
+        x2 = int(rng.integers(2))
+        survival = np.array([[0.8, 0.72 if x1 == A else 0.0]])
+        length = int(scheduler(survival, curve)[0])
+        uniform = np.array([0.5, 0.5])
+        tokens = emit(length, [x1, x2], [TARGET_1, uniform, uniform], [DRAFT, DRAFT], rng)
+        hits += tokens[0] == A
+    return hits / samples
+
+
+@pytest.mark.parametrize("scheduler, lossless", [(schedule_sync, True), (schedule_global, False)])
+def test_appendix_a_case_one(scheduler, lossless):
+    curve = curve_from_sps([1.0, 0.5, 0.45])
+    samples = 100_000
+    frequency = first_token_frequency(scheduler, curve, samples, seed=11)
+    standard_error = np.sqrt(0.21 / samples)
+    assert (abs(frequency - 0.7) < 5 * standard_error) == lossless, frequency
+
+
+def joint_two_tokens(scheduler, samples, seed) -> np.ndarray:
+    """Case 2: SPS(2) = 0.6 admits x1 always; x2 only when x1 = A. Joint counts of (Y1, Y2)."""
+    curve = curve_from_sps([1.0, 0.6, 0.45])
+    target_2 = {A: np.array([0.2, 0.8]), B: np.array([0.6, 0.4])}
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((2, 2), dtype=np.int64)
+    for _ in range(samples):
+        x1 = int(rng.integers(2))
+        x2 = int(rng.integers(2))
+        survival = np.array([[0.8, 0.72 if x1 == A else 0.0]])
+        length = int(scheduler(survival, curve)[0])
+        tokens = emit(length, [x1, x2], [TARGET_1, target_2[x1], np.array([0.5, 0.5])], [DRAFT, DRAFT], rng)
+        if len(tokens) == 1:
+            tokens.append(int(rng.choice(2, p=target_2[tokens[0]])))
+        counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+def test_appendix_a_case_two_joint_distribution():
+    counts = joint_two_tokens(schedule_sync, 60_000, seed=5)
+    expected = np.array([[0.14, 0.56], [0.18, 0.12]]) * counts.sum()
+    assert scipy_stats.chisquare(counts.ravel(), expected.ravel()).pvalue > 1e-3
