@@ -74,6 +74,12 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def tensor_view(info: TensorInfo) -> np.ndarray:
+    """A read-only memory map of one tensor (bfloat16 as uint16 bits)."""
+    storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[info.dtype]
+    return np.memmap(info.file, dtype=storage, mode="r", offset=info.start, shape=info.shape)
+
+
 def as_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     """Widen a stored tensor (bfloat16 given as uint16 bits) to float32."""
     if dtype == "bfloat16":
@@ -157,9 +163,7 @@ class Checkpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name}")
-        storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[info.dtype]
-        array = np.memmap(info.file, dtype=storage, mode="r", offset=info.start, shape=info.shape)
-        return array, info.dtype
+        return tensor_view(info), info.dtype
 
     def float32(self, name: str) -> np.ndarray:
         """One tensor widened to float32 (a copy)."""

@@ -27,7 +27,7 @@ from dspark_plugins.builder import GraphBuilder
 GRAPH_FORMAT = 1
 
 
-class _Layers:
+class DecoderOps:
     """The ops of a Qwen3 decoder on [T, H] activations, appending to one GraphBuilder."""
 
     def __init__(self, b: GraphBuilder, weights: Callable[[str], str], eps: float, dtype: int):
@@ -77,7 +77,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
         return name
 
     b = GraphBuilder()
-    ops = _Layers(b, weight, config.rms_norm_eps, onnx_dtype)
+    ops = DecoderOps(b, weight, config.rms_norm_eps, onnx_dtype)
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     x = b.op("Gather", weight("model.embed_tokens.weight"), "input_ids")
     cos, sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, onnx_dtype)

@@ -10,7 +10,7 @@ Inputs
     v_new      [T, Hkv, D]         values of the new tokens
     k_cache    [S, Hkv, Lmax, D]   committed keys per slot (BNSH)
     v_cache    [S, Hkv, Lmax, D]   committed values per slot
-    slot       [T] int64           cache slot of each token's request; a request's tokens are contiguous
+    slot       [T] int64           cache slot of each token's request (a request's tokens may be interleaved)
     pos        [T] int64           absolute position of each token
     cache_len  [S] int64           committed length per slot
 Attributes

@@ -28,19 +28,18 @@ def varlen_attention_function() -> FunctionProto:
     zero, one = b.const(0), b.const(1)
     ax0, ax1, ax2, last = b.const([0]), b.const([1]), b.const([2]), b.const([-1])
     q_shape, cache_shape = b.op("Shape", "q"), b.op("Shape", "k_cache")
-    tokens, slots_n = b.op("Gather", q_shape, ax0), b.op("Gather", cache_shape, ax0)
+    slots_n = b.op("Gather", cache_shape, ax0)
     q_heads, kv_heads = b.op("Gather", q_shape, ax1), b.op("Gather", cache_shape, ax1)
     max_len, dim = b.op("Gather", cache_shape, ax2), b.op("Gather", cache_shape, b.const([3]))
     group = b.op("Div", q_heads, kv_heads)
 
-    # offset of each token inside its request = t - (index of the request's first token)
+    # offset of each token inside its request = how many earlier tokens share its slot
     slot_ids = b.op("Range", zero, b.op("Squeeze", slots_n, ax0), one)  # [S]
     slot_col = b.op("Unsqueeze", "slot", last)  # [T, 1]
-    member = b.op("Equal", slot_col, slot_ids)  # [T, S]
-    counts = b.op("ReduceSum", b.op("Cast", member, to=TensorProto.INT64), ax0, keepdims=0)  # [S]
-    token_ids = b.op("Range", zero, b.op("Squeeze", tokens, ax0), one)
-    first = b.op("ReduceMin", b.op("Where", member, b.op("Unsqueeze", token_ids, last), tokens), ax0, keepdims=0)
-    offset = b.op("Sub", token_ids, b.op("Gather", first, "slot"))  # [T]
+    member = b.op("Cast", b.op("Equal", slot_col, slot_ids), to=TensorProto.INT64)  # [T, S]
+    counts = b.op("ReduceSum", member, ax0, keepdims=0)  # [S]
+    earlier = b.op("CumSum", member, zero, exclusive=1)  # [T, S]
+    offset = b.op("Squeeze", b.op("GatherElements", earlier, slot_col, axis=1), last)  # [T]
     n_max = b.op("ReduceMax", counts, ax0, keepdims=1)  # [1]
     pad_index = b.op("Concat", slot_col, b.op("Unsqueeze", offset, last), axis=1)  # [T, 2]
 

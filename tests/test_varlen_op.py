@@ -40,9 +40,10 @@ def ragged_batch(rng, requests):
     cache_len = np.zeros(S, dtype=np.int64)
     slot, pos = [], []
     for s, length, count in requests:
-        cache_len[s] = length
+        start = max([p + 1 for p, q in zip(pos, slot) if q == s], default=length)  # a later run continues its slot
+        cache_len[s] = min(cache_len[s] or length, length)
         slot += [s] * count
-        pos += list(range(length, length + count))
+        pos += list(range(start, start + count))
     tokens = len(slot)
     return {
         "q": rng.standard_normal((tokens, HQ, D)).astype(np.float32),
@@ -78,6 +79,7 @@ BATCHES = {
     "decode-one": [(2, 9, 1)],
     "prefill-chunk-and-verify": [(0, 0, 7), (1, 12, 5), (3, 20, 1)],
     "verify-several": [(3, 5, 8), (0, 17, 8), (2, 1, 3), (1, 0, 1)],
+    "interleaved": [(1, 3, 2), (0, 6, 3), (1, 5, 2)],  # slot 1's tokens come in two runs
 }
 
 

@@ -1,0 +1,172 @@
+"""Build `drafter.onnx` for a DSpark or DFlash drafter (backbone + unrolled sequential head + confidence
+head, drafts by Gumbel-max from a noise input), from the drafter's and the target's safetensors.
+
+Inputs
+    context_features [C, F], context_slot [C], context_pos [C]   target features of newly committed positions
+    anchor_ids [R], anchor_pos [R], request_slot [R]              each request's anchor (newest token)
+    cache_len [S]; past_key_i / past_value_i [S, Hkv, Lmax, D]    the drafter's own context cache
+    noise [R, γ] uniforms in (0, 1); temperature [1] (0 = argmax)
+Outputs
+    draft_tokens [R, γ] int64; draft_probs [R, γ, V] (what the drafts were drawn from; one-hot at T = 0)
+    confidence_logits [R, γ] (DSpark only; σ of it is the conditional acceptance probability)
+    new_key_i / new_value_i [C, Hkv, D]                           context K/V to commit at (slot, pos)
+The block attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
+`DSparkVarlenAttention` call in block mode over [context tokens; block tokens].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dspark_export.checkpoint import Checkpoint, read_header, tensor_view
+from dspark_export.drafters.config import DrafterConfig
+from dspark_export.onnx_target import DecoderOps, GRAPH_FORMAT, rope_tables
+from dspark_export.onnx_weights import ExternalData, convert
+from dspark_plugins import opset_imports, varlen_attention_function, varlen_attention_node
+from dspark_plugins.builder import GraphBuilder
+from dspark_runtime.errors import CheckpointError
+
+
+def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path) -> Path:
+    """Write the drafter graph (float32) and its external data; returns the graph path."""
+    config = DrafterConfig.from_dir(drafter_dir)
+    config.check_target(target.config, None)
+    if config.drafter_type == "eagle3":
+        raise CheckpointError("the EAGLE-3 baseline has no drafter.onnx yet: its step graph is still to be built")
+    tensors = read_header(Path(drafter_dir) / "model.safetensors")
+    graph_file = Path(graph_file)
+    graph_file.parent.mkdir(parents=True, exist_ok=True)
+    store = ExternalData(graph_file)
+    initializers: dict[str, TensorProto] = {}
+
+    def weight(name: str) -> str:
+        if name not in initializers:
+            if name in tensors:
+                array, stored = tensor_view(tensors[name]), tensors[name].dtype
+            elif name in ("embed_tokens.weight", "lm_head.weight"):  # frozen: the target's own
+                array, stored = target.raw("model.embed_tokens.weight" if name == "embed_tokens.weight" else target.lm_head_name())
+            else:
+                raise CheckpointError(f"drafter weights in {drafter_dir} lack {name}")
+            initializers[name] = store.add(name, convert(array, stored, "float32"), "float32")
+        return name
+
+    t = target.config
+    b = GraphBuilder()
+    ops = DecoderOps(b, weight, t.rms_norm_eps, TensorProto.FLOAT)
+    hq, hkv, d, block, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block, t.vocab_size
+    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+
+    # block inputs: [anchor, MASK x (γ-1)] per request at positions anchor_pos + j
+    requests = b.op("Shape", "anchor_ids")
+    offsets = b.const(np.arange(block), np.int64)
+    block_pos = b.op("Reshape", b.op("Add", b.op("Unsqueeze", "anchor_pos", b.const([1])), offsets), b.const([-1]))
+    block_slot = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", "request_slot", b.const([1])),
+                                      b.op("Concat", requests, b.const([block]), axis=0)), b.const([-1]))
+    is_anchor = b.const((np.arange(block) == 0)[None, :], np.bool_)
+    block_ids = b.op("Reshape", b.op("Where", is_anchor, b.op("Unsqueeze", "anchor_ids", b.const([1])),
+                                     b.const(config.mask_token_id)), b.const([-1]))
+    x = b.op("Gather", weight("embed_tokens.weight"), block_ids)  # [R·γ, H]
+    context = ops.rms_norm(ops.linear("context_features", "fc.weight"), "hidden_norm.weight")  # [C, H]
+    all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
+    cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
+    context_count = b.op("Shape", "context_pos")
+    split = b.op("Concat", context_count, b.op("Shape", block_pos), axis=0)
+    (cos_ctx, cos_blk), (sin_ctx, sin_blk) = (b.op("Split", c, split, axis=0, outputs=2) for c in (cos, sin))
+    query_pad = b.op("ConstantOfShape", b.op("Concat", context_count, b.const([hq, d]), axis=0),
+                     value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+
+    inputs = [helper.make_tensor_value_info("context_features", TensorProto.FLOAT, ["C", t.hidden_size * len(config.feature_layers)])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.INT64, [s]) for n, s in [
+        ("context_slot", "C"), ("context_pos", "C"), ("anchor_ids", "R"), ("anchor_pos", "R"), ("request_slot", "R"),
+        ("cache_len", "S")]]
+    outputs = []
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        attn = p + "self_attn."
+        k_ctx = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(context, attn + "k_proj.weight"), kv_shape), attn + "k_norm.weight"), cos_ctx, sin_ctx)
+        v_ctx = b.op("Reshape", ops.linear(context, attn + "v_proj.weight"), kv_shape)
+        new_k, new_v = b.op("Identity", k_ctx, name=f"new_key_{layer}"), b.op("Identity", v_ctx, name=f"new_value_{layer}")
+        h = ops.rms_norm(x, p + "input_layernorm.weight")
+        q = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, attn + "q_proj.weight"), q_shape), attn + "q_norm.weight"), cos_blk, sin_blk)
+        k = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, attn + "k_proj.weight"), kv_shape), attn + "k_norm.weight"), cos_blk, sin_blk)
+        v = b.op("Reshape", ops.linear(h, attn + "v_proj.weight"), kv_shape)
+        past_k, past_v = f"past_key_{layer}", f"past_value_{layer}"
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", hkv, "Lmax", d]) for n in (past_k, past_v)]
+        outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["C", hkv, d]) for n in (new_k, new_v)]
+        attended_all = f"attention_{layer}"
+        b.nodes.append(varlen_attention_node(
+            [b.op("Concat", query_pad, q, axis=0), b.op("Concat", new_k, k, axis=0), b.op("Concat", new_v, v, axis=0),
+             past_k, past_v, all_slot, all_pos, "cache_len"], attended_all, d, block=True, name=f"attention_node_{layer}"))
+        attended = b.op("Slice", attended_all, context_count, b.const([np.iinfo(np.int64).max]), b.const([0]))
+        x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
+        h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
+        gate = ops.linear(h, p + "mlp.gate_proj.weight")
+        x = b.op("Add", x, ops.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), ops.linear(h, p + "mlp.up_proj.weight")),
+                                      p + "mlp.down_proj.weight"))
+    normed = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
+    hidden = b.op("Reshape", normed, b.op("Concat", requests, b.const([block, t.hidden_size]), axis=0))
+    base = b.op("Reshape", ops.linear(normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))
+    _sequential_head(b, ops, config, hidden, base, vocab)
+    inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", block]),
+               helper.make_tensor_value_info("temperature", TensorProto.FLOAT, [1])]
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", block]),
+               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", block, vocab])] + (
+        [helper.make_tensor_value_info("confidence_logits", TensorProto.FLOAT, ["R", block])] if config.confidence else []) + outputs
+    store.close()
+    graph = helper.make_graph(b.nodes, "dspark_drafter", inputs, outputs, initializer=list(initializers.values()))
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()],
+                              producer_name="dspark-export")
+    helper.set_model_props(model, {"dspark_graph": "drafter", "dspark_graph_format": str(GRAPH_FORMAT),
+                                   "drafter_config": config.to_json()})
+    onnx.save_model(model, str(graph_file))
+    return graph_file
+
+
+def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
+    """Unrolled γ steps: bias from the previous token, Gumbel-max sampling, confidence logits."""
+    temperature = b.op("Reshape", "temperature", b.const([]))
+    sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
+    safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
+    gumbel = b.op("Neg", b.op("Log", b.op("Neg", b.op("Log", "noise"))))  # [R, γ]
+    one_hot_values = b.const([0.0, 1.0], np.float32)
+    previous, state = "anchor_ids", None
+    tokens, probs, confidences = [], [], []
+    for k in range(config.block):
+        index = b.const([k])
+        h_k = b.op("Squeeze", b.op("Gather", hidden, index, axis=1), b.const([1]))  # [R, H]
+        logits = b.op("Squeeze", b.op("Gather", base, index, axis=1), b.const([1]))  # [R, V]
+        if config.head != "none":
+            code = b.op("Gather", ops.weight("markov_w1.weight"), previous)  # [R, r]
+            if config.head == "markov":
+                bias = ops.linear(code, "markov_w2.weight")
+            else:
+                if state is None:
+                    state = b.op("Mul", code, b.const(0.0, np.float32))
+                z = b.op("Gemm", b.op("Concat", state, code, h_k, axis=-1), ops.weight("rnn.weight"), ops.weight("rnn.bias"), transB=1)
+                gate, candidate, out = b.op("Split", z, axis=-1, num_outputs=3, outputs=3)
+                bias = ops.linear(b.op("Tanh", out), "markov_w2.weight")
+                gate = b.op("Sigmoid", gate)
+                state = b.op("Add", b.op("Mul", gate, state),
+                             b.op("Mul", b.op("Sub", b.const(1.0, np.float32), gate), b.op("Tanh", candidate)))
+            logits = b.op("Add", logits, bias)
+            if config.confidence:
+                confidences.append(b.op("Gemm", b.op("Concat", h_k, code, axis=-1), ops.weight("confidence_head.weight"),
+                                        ops.weight("confidence_head.bias"), transB=1))  # [R, 1]
+        scaled = b.op("Div", logits, safe_t)
+        noise_k = b.op("Squeeze", b.op("Gather", gumbel, index, axis=1), b.const([1]))
+        sampled = b.op("ArgMax", b.op("Add", scaled, b.op("Unsqueeze", noise_k, b.const([1]))), axis=-1, keepdims=0)
+        greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
+        token = b.op("Where", sampling, sampled, greedy)
+        one_hot = b.op("OneHot", greedy, b.const([vocab]), one_hot_values, axis=-1)
+        probs.append(b.op("Unsqueeze", b.op("Where", sampling, b.op("Softmax", scaled, axis=-1), one_hot), b.const([1])))
+        tokens.append(b.op("Unsqueeze", token, b.const([1])))
+        previous = token
+    b.op("Concat", *tokens, axis=1, name="draft_tokens")
+    b.op("Concat", *probs, axis=1, name="draft_probs")
+    if confidences:
+        b.op("Concat", *confidences, axis=1, name="confidence_logits")

@@ -1,0 +1,91 @@
+"""drafter.onnx against the torch drafter: same draft tokens, distributions and confidences for the
+same noise, for several requests at once and across calls that commit the drafter's context cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dspark_export.checkpoint import Checkpoint  # noqa: E402
+from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.drafters.block import block_draft  # noqa: E402
+from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
+from dspark_export.drafters.config import DrafterConfig  # noqa: E402
+from dspark_export.model import Qwen3Model  # noqa: E402
+from dspark_export.onnx_drafter import build_drafter_onnx  # noqa: E402
+from tests.conftest import write_hf_checkpoint  # noqa: E402
+
+SLOTS, LMAX, BLOCK = 3, 40, 4
+
+
+def make_drafter(tmp_path, kind, head):
+    folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, num_hidden_layers=4)
+    config = Qwen3Config.from_dir(folder)
+    checkpoint = Checkpoint(folder, config)
+    target = Qwen3Model.from_checkpoint(checkpoint, "float32")
+    drafter_config = DrafterConfig(
+        drafter_type=kind, target=config.architecture_fields() | {"dtype": "float32"}, vocab_hash="x", mask_token_id=3,
+        num_layers=2, block=BLOCK, feature_layers=(1, 2), head=head, markov_rank=8, confidence=kind == "dspark")
+    torch.manual_seed(0)
+    drafter = build_drafter(drafter_config)
+    with torch.no_grad():  # random, non-zero heads so that every term matters
+        for name, param in drafter.named_parameters():
+            if name.startswith(("markov", "rnn", "confidence")):
+                param.normal_(0, 0.5)
+    attach_target(drafter, target)
+    save_drafter(drafter, tmp_path / "drafter")
+    graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / "engine" / "drafter.onnx")
+    onnx.checker.check_model(str(graph), full_check=True)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return drafter.eval(), ort.InferenceSession(str(graph), options), config
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafter_graph_matches_torch(tmp_path, kind, head, temperature):
+    drafter, session, config = make_drafter(tmp_path, kind, head)
+    rng = np.random.default_rng(1)
+    features_dim = 2 * config.hidden_size
+    shape = (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
+    caches = [[np.zeros(shape, np.float32), np.zeros(shape, np.float32)] for _ in range(2)]
+    # request 0 in slot 2 and request 1 in slot 0; full histories of target features and tokens
+    history = {2: rng.standard_normal((12, features_dim)).astype(np.float32), 0: rng.standard_normal((7, features_dim)).astype(np.float32)}
+    tokens = {2: rng.integers(4, config.vocab_size, 13), 0: rng.integers(4, config.vocab_size, 8)}
+    committed = {2: 0, 0: 0}
+    names = [o.name for o in session.get_outputs()]
+    for length_now in ({2: 5, 0: 7}, {2: 12, 0: 7}):  # two steps: slot 2's context grows in the second
+        slots = [2, 0]
+        new = {s: range(committed[s], length_now[s]) for s in slots}
+        feeds = {
+            "context_features": np.concatenate([history[s][list(new[s])] for s in slots]).reshape(-1, features_dim),
+            "context_slot": np.concatenate([[s] * len(new[s]) for s in slots]).astype(np.int64),
+            "context_pos": np.concatenate([list(new[s]) for s in slots]).astype(np.int64),
+            "anchor_ids": np.array([tokens[s][length_now[s]] for s in slots], dtype=np.int64),
+            "anchor_pos": np.array([length_now[s] for s in slots], dtype=np.int64),
+            "request_slot": np.array(slots, dtype=np.int64),
+            "cache_len": np.array([committed.get(s, 0) for s in range(SLOTS)], dtype=np.int64),
+            "noise": rng.uniform(1e-6, 1 - 1e-6, (2, BLOCK)).astype(np.float32),
+            "temperature": np.array([temperature], dtype=np.float32),
+        }
+        for layer in range(2):
+            feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = caches[layer]
+        out = dict(zip(names, session.run(None, feeds)))
+        for row, s in enumerate(slots):
+            with torch.no_grad():
+                expected = block_draft(drafter, torch.from_numpy(tokens[s][None, : length_now[s] + 1]),
+                                       torch.from_numpy(history[s][None, : length_now[s]]), temperature,
+                                       torch.from_numpy(feeds["noise"][row : row + 1]))
+            assert out["draft_tokens"][row].tolist() == expected.tokens[0].tolist()
+            assert np.abs(out["draft_probs"][row] - expected.probs[0].numpy()).max() <= 1e-5
+            if kind == "dspark":
+                confidence = 1 / (1 + np.exp(-out["confidence_logits"][row]))
+                assert np.abs(confidence - expected.confidence[0].numpy()).max() <= 1e-5
+        for layer in range(2):  # commit the context K/V like the runtime does
+            caches[layer][0][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_key_{layer}"]
+            caches[layer][1][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_value_{layer}"]
+        committed = dict(length_now)
