@@ -140,3 +140,40 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
     if plot:
         plot_acceptance(results, plot)
     click.echo(json_module.dumps(results[0] if len(results) == 1 else {"results": results}, indent=None if as_json else 2))
+
+
+@main.command()
+@target_options
+@click.option("--drafter", default=None, help="Drafter folder or bundled name (demo: demo-dspark if bundled); none = target only.")
+@click.option("--no-drafter", is_flag=True, help="Build a target-only engine even where a default drafter exists.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache).")
+@click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Target graph precision (fp32 on CPU).")
+@click.option("--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None, help="Tokens per request (default: the model's).")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing engine directory.")
+def build(target, target_path, drafter, no_drafter, out, backend, dtype, cache_slots, max_context, max_batch_tokens, force) -> None:
+    """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
+
+    \b
+    Examples:
+      dspark-export build --target demo
+      dspark-export build --target qwen3-8b --target-path ~/models/Qwen3-8B --drafter ./qwen3-8b-dspark --out engines/q8
+    """
+    from pathlib import Path
+
+    from dspark_export.build import build_engine, default_engine_dir
+    from dspark_export.drafters.bundled import bundled_drafters, resolve_drafter
+    from dspark_export.presets import resolve_target
+
+    spec = resolve_target(*default_to_demo(target, target_path))
+    if drafter is None and not no_drafter and spec.name == "demo" and "demo-dspark" in bundled_drafters():
+        drafter = "demo-dspark"
+    drafter_dir = None if no_drafter or drafter is None else resolve_drafter(drafter)
+    drafter_name = None if drafter_dir is None else (drafter if drafter.startswith("demo-") else drafter_dir.name)
+    out_dir = Path(out) if out else default_engine_dir(spec.name, drafter_name)
+    engine = build_engine(spec, out_dir, drafter_dir, drafter_name, backend, dtype, cache_slots, max_context,
+                          max_batch_tokens, force)
+    click.echo(f"engine written to {engine}")

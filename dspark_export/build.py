@@ -1,0 +1,96 @@
+"""`dspark-export build`: a target (and optionally a drafter) -> an engine directory the runtime runs.
+
+The directory is written under a temporary name beside the destination and renamed only when
+complete, so an interrupted build (a full disk, Ctrl+C) never leaves a folder that looks valid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark_export.checkpoint import Checkpoint, expected_shapes
+from dspark_export.onnx_drafter import build_drafter_onnx
+from dspark_export.onnx_target import build_target_onnx
+from dspark_export.presets import TargetSpec
+from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, write_manifest
+from dspark_runtime.errors import DSparkError, MissingDependencyError
+from dspark_runtime.tokenizer import ChatTokenizer
+
+BACKENDS = ("auto", "ort", "trt")
+
+
+def default_engine_dir(target_name: str, drafter_name: str | None) -> Path:
+    """Engines live in the user cache (DSPARK_HOME overrides), one folder per target/drafter pair."""
+    root = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark")) / "engines"
+    return root / (target_name + (f"-{drafter_name}" if drafter_name else ""))
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise DSparkError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "trt":
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise MissingDependencyError(
+                "--backend trt needs TensorRT and an NVIDIA GPU: pip install 'dspark[trt]' on a CUDA machine"
+            ) from None
+        raise DSparkError("TensorRT engine building is not implemented yet; build with --backend ort")
+    return "ort"
+
+
+def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
+                 backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
+                 max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True) -> Path:
+    """Write the engine directory `out`; returns it."""
+    backend = resolve_backend(backend)
+    out = Path(out)
+    if out.exists() and not force:
+        raise DSparkError(f"{out} already exists; pass --force to replace it")
+    folder = spec.require_path()
+    checkpoint = Checkpoint(folder, spec.config)
+    tokenizer = ChatTokenizer.from_dir(folder)
+    drafter_config = None
+    if drafter_dir is not None:
+        from dspark_export.drafters.config import DrafterConfig
+
+        drafter_config = DrafterConfig.from_dir(drafter_dir)
+        drafter_config.check_target(spec.config, tokenizer.vocab_hash())
+    feature_layers = list(drafter_config.feature_layers) if drafter_config else []
+    max_context = max_context or spec.config.max_position_embeddings
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        total = len(expected_shapes(spec.config))
+        with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
+            build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, progress=bar.update)
+        if drafter_dir is not None:
+            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH)
+        for name in TOKENIZER_FILES + ("chat_template.jinja",):
+            if (folder / name).is_file():
+                shutil.copy(folder / name, staging / name)
+        manifest = Manifest(
+            target=spec.config.to_hf_dict(), target_name=spec.name, drafter=(drafter_config and _config_dict(drafter_config)),
+            drafter_name=drafter_name, dtype=dtype, backend=backend, cache_slots=cache_slots, max_context=max_context,
+            max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
+            eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers,
+        )
+        write_manifest(staging, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _config_dict(config) -> dict:
+    import json
+
+    return json.loads(config.to_json())

@@ -1,0 +1,86 @@
+"""The engine directory: its file names and `manifest.json` schema, defined once here (the exporter
+writes it through this module, the runtime reads it). A manifest lists every file with its SHA-256,
+so a directory whose files changed after the build is refused with a message saying what to rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark_runtime.errors import DSparkError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TARGET_GRAPH = "target.onnx"
+DRAFTER_GRAPH = "drafter.onnx"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+HARDWARE_CURVE = "hardware_curve.json"  # written by profiling, not hashed
+CALIBRATION = "calibration.json"  # written by calibration, not hashed
+
+
+class EngineError(DSparkError):
+    """An engine directory that is missing, stale or altered."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    target: dict[str, Any]  # the target's Hugging Face config (config.json)
+    target_name: str
+    drafter: dict[str, Any] | None  # the drafter's config.json, None for a target-only engine
+    drafter_name: str | None
+    dtype: str
+    backend: str  # "ort" | "trt"
+    cache_slots: int  # S: concurrent requests
+    max_context: int  # Lmax: tokens per slot
+    max_batch_tokens: int  # most tokens in one target step
+    vocab_size: int
+    eos_token_ids: list[int]
+    feature_layers: list[int]
+    files: dict[str, str] = field(default_factory=dict)  # name -> sha256
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def block(self) -> int:
+        """γ: draft tokens per round (0 for a target-only engine)."""
+        return int(self.drafter["block"]) if self.drafter else 0
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Hash every file already in `folder` into the manifest and write it (last, so a half-built folder has none)."""
+    files = {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    payload = asdict(manifest) | {"files": files}
+    (folder / MANIFEST).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
+    """Read and (by default) verify an engine directory; errors say what to rebuild."""
+    folder = Path(folder)
+    file = folder / MANIFEST
+    if not file.is_file():
+        raise EngineError(f"{folder} is not a DSpark engine directory (no {MANIFEST}); build one with `dspark-export build`")
+    try:
+        manifest = Manifest(**json.loads(file.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise EngineError(f"{file} is corrupt ({exc}); rebuild the engine with `dspark-export build --force`") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise EngineError(f"{folder} has engine format {manifest.format_version}, this DSpark reads {FORMAT_VERSION}; rebuild it")
+    if verify:
+        for name, expected in manifest.files.items():
+            path = folder / name
+            if not path.is_file():
+                raise EngineError(f"{folder} lacks {name}; rebuild the engine with `dspark-export build --force`")
+            if file_digest(path) != expected:
+                raise EngineError(f"{name} in {folder} changed after the build; rebuild the engine with `dspark-export build --force`")
+    return manifest

@@ -1,0 +1,105 @@
+"""`dspark-export build`: a valid engine directory, and every way a build can go wrong leaves none behind."""
+
+from __future__ import annotations
+
+import errno
+
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from dspark_export.cli import main  # noqa: E402
+from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
+from dspark_export.drafters.checkpoint import build_drafter, save_drafter  # noqa: E402
+from dspark_export.drafters.config import DrafterConfig  # noqa: E402
+from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_runtime.engine_dir import EngineError, read_manifest  # noqa: E402
+from dspark_runtime.tokenizer import ChatTokenizer  # noqa: E402
+from tests.conftest import write_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture
+def target(tmp_path):
+    folder = write_hf_checkpoint(tmp_path / "target", vocab_size=300)
+    train_tokenizer(["def f(x):\n    return x\n", "Hello!"] * 20, folder, vocab_size=300)
+    return folder
+
+
+def write_drafter(target_folder, out, **overrides):
+    config = Qwen3Config.from_dir(target_folder)
+    fields = dict(drafter_type="dspark", target=config.architecture_fields() | {"dtype": "float32"},
+                  vocab_hash=ChatTokenizer.from_dir(target_folder).vocab_hash(), mask_token_id=3, num_layers=1,
+                  block=3, feature_layers=(1,), markov_rank=8)
+    save_drafter(build_drafter(DrafterConfig(**(fields | overrides))), out)
+    return out
+
+
+def build(*args):
+    return CliRunner().invoke(main, ["build", *args])
+
+
+def test_build_writes_a_verified_engine(tmp_path, target):
+    drafter = write_drafter(target, tmp_path / "drafter")
+    result = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"), "--cache-slots", "4")
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(tmp_path / "engine")
+    assert manifest.block == 3 and manifest.cache_slots == 4 and manifest.feature_layers == [1]
+    assert {"target.onnx", "target.onnx.data", "drafter.onnx", "tokenizer.json"} <= set(manifest.files)
+    for graph in ("target.onnx", "drafter.onnx"):
+        onnx.checker.check_model(str(tmp_path / "engine" / graph), full_check=True)
+        ort.InferenceSession(str(tmp_path / "engine" / graph))
+    refused = build("--target-path", str(target), "--out", str(tmp_path / "engine"))
+    assert refused.exit_code != 0 and "already exists; pass --force" in refused.output
+    replaced = build("--target-path", str(target), "--out", str(tmp_path / "engine"), "--force")
+    assert replaced.exit_code == 0 and read_manifest(tmp_path / "engine").drafter is None
+
+
+def test_altered_or_missing_files_are_refused(tmp_path, target):
+    assert build("--target-path", str(target), "--out", str(tmp_path / "e")).exit_code == 0
+    config = tmp_path / "e" / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    with pytest.raises(EngineError, match="tokenizer_config.json in .* changed after the build; rebuild"):
+        read_manifest(tmp_path / "e")
+    (tmp_path / "e" / "target.onnx.data").unlink()
+    with pytest.raises(EngineError, match="lacks target.onnx.data"):
+        read_manifest(tmp_path / "e")
+    with pytest.raises(EngineError, match="not a DSpark engine directory"):
+        read_manifest(tmp_path)
+
+
+def test_full_disk_leaves_no_engine(tmp_path, target, monkeypatch):
+    from dspark_export import onnx_weights
+
+    written = []
+    original = onnx_weights.ExternalData.add
+
+    def add(self, name, array, dtype):
+        if len(written) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(name)
+        return original(self, name, array, dtype)
+
+    monkeypatch.setattr(onnx_weights.ExternalData, "add", add)
+    result = build("--target-path", str(target), "--out", str(tmp_path / "engine"))
+    assert result.exit_code != 0
+    assert not (tmp_path / "engine").exists()
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_bad_inputs(tmp_path, target):
+    other = write_drafter(target, tmp_path / "other", target=Qwen3Config.from_dir(target).architecture_fields() | {"hidden_size": 32, "num_attention_heads": 2})
+    result = build("--target-path", str(target), "--drafter", str(other), "--out", str(tmp_path / "e1"))
+    assert result.exit_code != 0 and "hidden_size=32, but this target has hidden_size=64" in result.output
+    wrong_vocab = write_drafter(target, tmp_path / "vocab", vocab_hash="0000")
+    result = build("--target-path", str(target), "--drafter", str(wrong_vocab), "--out", str(tmp_path / "e2"))
+    assert result.exit_code != 0 and "vocabulary" in result.output
+    result = build("--target-path", str(target), "--dtype", "int4", "--out", str(tmp_path / "e3"))
+    assert result.exit_code == 2 and "int4" in result.output
+    (target / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{oops")
+    result = build("--target-path", str(target), "--out", str(tmp_path / "e4"))
+    assert result.exit_code != 0 and "corrupt" in result.output and not (tmp_path / "e4").exists()
+    result = build("--target-path", str(target), "--backend", "trt", "--out", str(tmp_path / "e5"))
+    assert result.exit_code != 0 and "[trt]" in result.output
