@@ -5,7 +5,7 @@ Inputs
     context_features [C, F], context_slot [C], context_pos [C]   target features of newly committed positions
     anchor_ids [R], anchor_pos [R], request_slot [R]              each request's anchor (newest token)
     cache_len [S]; past_key_i / past_value_i [S, Hkv, Lmax, D]    the drafter's own context cache
-    noise [R, γ] uniforms in (0, 1); temperature [1] (0 = argmax)
+    noise [R, γ] uniforms in (0, 1); temperature [R] per request (0 = argmax)
 Outputs
     draft_tokens [R, γ] int64; draft_probs [R, γ, V] (what the drafts were drawn from; one-hot at T = 0)
     confidence_logits [R, γ] (DSpark only; σ of it is the conditional acceptance probability)
@@ -113,7 +113,7 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     base = b.op("Reshape", ops.linear(normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))
     _sequential_head(b, ops, config, hidden, base, vocab)
     inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", block]),
-               helper.make_tensor_value_info("temperature", TensorProto.FLOAT, [1])]
+               helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", block]),
                helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", block, vocab])] + (
         [helper.make_tensor_value_info("confidence_logits", TensorProto.FLOAT, ["R", block])] if config.confidence else []) + outputs
@@ -129,8 +129,9 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
 
 def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
     """Unrolled γ steps: bias from the previous token, Gumbel-max sampling, confidence logits."""
-    temperature = b.op("Reshape", "temperature", b.const([]))
+    temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
     sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
+    sampling_row = b.op("Squeeze", sampling, b.const([1]))  # [R]
     safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
     gumbel = b.op("Neg", b.op("Log", b.op("Neg", b.op("Log", "noise"))))  # [R, γ]
     one_hot_values = b.const([0.0, 1.0], np.float32)
@@ -161,7 +162,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
         noise_k = b.op("Squeeze", b.op("Gather", gumbel, index, axis=1), b.const([1]))
         sampled = b.op("ArgMax", b.op("Add", scaled, b.op("Unsqueeze", noise_k, b.const([1]))), axis=-1, keepdims=0)
         greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
-        token = b.op("Where", sampling, sampled, greedy)
+        token = b.op("Where", sampling_row, sampled, greedy)
         one_hot = b.op("OneHot", greedy, b.const([vocab]), one_hot_values, axis=-1)
         probs.append(b.op("Unsqueeze", b.op("Where", sampling, b.op("Softmax", scaled, axis=-1), one_hot), b.const([1])))
         tokens.append(b.op("Unsqueeze", token, b.const([1])))

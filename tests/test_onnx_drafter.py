@@ -46,8 +46,8 @@ def make_drafter(tmp_path, kind, head):
 
 
 @pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafter_graph_matches_torch(tmp_path, kind, head, temperature):
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8, 0.8), (1.3, 0.0)])
+def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
     drafter, session, config = make_drafter(tmp_path, kind, head)
     rng = np.random.default_rng(1)
     features_dim = 2 * config.hidden_size
@@ -70,7 +70,7 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperature):
             "request_slot": np.array(slots, dtype=np.int64),
             "cache_len": np.array([committed.get(s, 0) for s in range(SLOTS)], dtype=np.int64),
             "noise": rng.uniform(1e-6, 1 - 1e-6, (2, BLOCK)).astype(np.float32),
-            "temperature": np.array([temperature], dtype=np.float32),
+            "temperature": np.array(temperatures, dtype=np.float32),
         }
         for layer in range(2):
             feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = caches[layer]
@@ -78,7 +78,7 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperature):
         for row, s in enumerate(slots):
             with torch.no_grad():
                 expected = block_draft(drafter, torch.from_numpy(tokens[s][None, : length_now[s] + 1]),
-                                       torch.from_numpy(history[s][None, : length_now[s]]), temperature,
+                                       torch.from_numpy(history[s][None, : length_now[s]]), temperatures[row],
                                        torch.from_numpy(feeds["noise"][row : row + 1]))
             assert out["draft_tokens"][row].tolist() == expected.tokens[0].tolist()
             assert np.abs(out["draft_probs"][row] - expected.probs[0].numpy()).max() <= 1e-5

@@ -21,6 +21,8 @@ from dspark_export.demo.corpus import CHAT_PROMPT_END, DOMAINS, read_jsonl
 from dspark_export.model import Qwen3Model
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
+BUCKET = 16  # chat prompts are trimmed from the left to a multiple of this, so equal lengths batch together
+MAX_CHAT_PROMPT = 256
 
 
 def training_prompts(corpus: Path, tokenizer, per_domain: int, code_prompt_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -37,7 +39,9 @@ def training_prompts(corpus: Path, tokenizer, per_domain: int, code_prompt_token
                 prompts.append((domain, ids[start : start + code_prompt_tokens]))
             else:
                 cut = text.index(CHAT_PROMPT_END) + len(CHAT_PROMPT_END)
-                prompts.append((domain, tokenizer.encode(text[:cut])))
+                ids = tokenizer.encode(text[:cut])[-MAX_CHAT_PROMPT:]
+                # keep a multiple of BUCKET tokens (cut from the left) so that prompts batch together
+                prompts.append((domain, ids[len(ids) % BUCKET :] if len(ids) >= BUCKET else ids))
     return prompts
 
 
