@@ -1,0 +1,235 @@
+"""The step loop: one target call and one drafter call per step for all active requests, flattened.
+
+A step: the scheduler picks how many drafts ℓ_r each decoding request verifies -> the target runs
+[anchor_r, d_r1..d_rℓ] of every decoding request plus prefill chunks of new ones -> the verifier keeps
+a prefix and emits one more token per request -> accepted K/V stay committed (the cache length moves)
+-> the drafter reads the new target features and proposes the next γ tokens from each new anchor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dspark_runtime.engine_dir import Manifest
+from dspark_runtime.kv_cache import KVCache, SlotPool
+from dspark_runtime.sampling import target_rows
+from dspark_runtime.scheduler import AsyncScheduler, SpeedCurve, schedule_sync
+from dspark_runtime.sequence import Sequence
+from dspark_runtime.verify import sample, verify_greedy, verify_sampled
+
+Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass
+class _Row:
+    """Where one request's tokens sit in the flattened target batch."""
+
+    sequence: Sequence
+    start: int  # first token index in the batch
+    count: int  # tokens in the batch
+    logit_start: int  # first row in the logits output
+    logit_count: int
+    drafts: int  # drafts verified (decode) or -1 (prefill chunk)
+
+
+class EngineCore:
+    """Single-threaded engine state; `Engine` drives it from a background thread."""
+
+    def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, emit: Callable[[Sequence, list[int]], None],
+                 curve: SpeedCurve | None = None, sts_temperatures: np.ndarray | None = None):
+        target = manifest.target
+        self.manifest = manifest
+        self.run_target, self.run_drafter, self.emit = run_target, run_drafter, emit
+        kv_heads, head_dim = target["num_key_value_heads"], target["head_dim"]
+        self.target_cache = KVCache(target["num_hidden_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
+        self.block = manifest.block if run_drafter else 0
+        if self.block:
+            self.drafter_cache = KVCache(manifest.drafter["num_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
+        self.slots = SlotPool(manifest.cache_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.curve = curve
+        self.sts = sts_temperatures
+        self.async_scheduler = AsyncScheduler(curve, self.block) if curve is not None else None
+
+    # ---- admission ------------------------------------------------------------------------------
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def _admit(self) -> None:
+        while self.waiting and self.slots.free:
+            sequence = self.waiting.popleft()
+            if sequence.cancelled:
+                self._finish(sequence, "cancelled")
+                continue
+            sequence.slot = self.slots.acquire()
+            self.active.append(sequence)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._admit()
+        for sequence in [s for s in self.active if s.cancelled]:
+            self._finish(sequence, "cancelled")
+            self._release(sequence)
+        if not self.active:
+            return
+        lengths = self._schedule([s for s in self.active if s.decoding])
+        rows, feeds = self._target_batch(lengths)
+        outputs = self.run_target(feeds | self.target_cache.feeds())
+        self.target_cache.write(feeds["slot"], feeds["pos"], outputs)
+        for row in rows:
+            self._advance(row, outputs)
+        self._draft([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None])
+        for sequence in [s for s in self.active if s.finish_reason is not None]:
+            self._release(sequence)
+
+    def _schedule(self, decoding: list[Sequence]) -> dict[int, int]:
+        """Drafts to verify per decoding request (request id -> ℓ), within the request's limits."""
+        lengths = {}
+        scheduled = {"sync": [], "async": []}
+        for s in decoding:
+            if s.drafts is None or not s.spec.drafting:
+                lengths[s.request_id] = 0
+            elif s.spec.kind == "fixed":
+                lengths[s.request_id] = min(s.spec.drafts, self.block)
+            else:
+                scheduled[s.spec.kind].append(s)
+        for kind, group in scheduled.items():
+            if not group:
+                continue
+            survival = np.stack([self._survival(s) for s in group])
+            if kind == "sync":
+                chosen = schedule_sync(survival, self.curve, self.block)
+            else:
+                chosen = self.async_scheduler.schedule(survival)
+            lengths.update({s.request_id: int(n) for s, n in zip(group, chosen)})
+        for s in decoding:  # never past the context, the token budget or what was drafted
+            room = min(self.manifest.max_context - s.target_len - 1, s.params.max_tokens - len(s.generated) - 1)
+            lengths[s.request_id] = max(0, min(lengths[s.request_id], room))
+        return lengths
+
+    def _survival(self, sequence: Sequence) -> np.ndarray:
+        logits = sequence.confidence_logits
+        if logits is None:
+            return np.ones(self.block)
+        temperatures = self.sts if self.sts is not None else 1.0
+        return np.cumprod(1.0 / (1.0 + np.exp(-logits / temperatures)))
+
+    def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], dict[str, np.ndarray]]:
+        ids, slots, positions, logit_index, rows = [], [], [], [], []
+        budget = self.manifest.max_batch_tokens
+        decoding = [s for s in self.active if s.decoding]
+        prefilling = [s for s in self.active if not s.decoding]
+        for s in decoding:
+            drafts = lengths[s.request_id]
+            tokens = [s.anchor] + ([] if drafts == 0 else s.drafts[:drafts].tolist())
+            rows.append(_Row(s, len(ids), len(tokens), len(logit_index), len(tokens), drafts))
+            logit_index += range(len(ids), len(ids) + len(tokens))
+            ids += tokens
+            slots += [s.slot] * len(tokens)
+            positions += range(s.target_len, s.target_len + len(tokens))
+        for s in prefilling:
+            room = budget - len(ids)
+            if room <= 0 and ids:
+                break
+            chunk = s.prompt[s.prefilled : s.prefilled + max(room, 1)]
+            final = s.prefilled + len(chunk) == len(s.prompt)
+            rows.append(_Row(s, len(ids), len(chunk), len(logit_index), int(final), -1))
+            if final:
+                logit_index.append(len(ids) + len(chunk) - 1)
+            ids += chunk
+            slots += [s.slot] * len(chunk)
+            positions += range(s.prefilled, s.prefilled + len(chunk))
+        cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
+        for s in self.active:
+            cache_len[s.slot] = s.target_len
+        feeds = {
+            "input_ids": np.asarray(ids, dtype=np.int64),
+            "pos": np.asarray(positions, dtype=np.int64),
+            "slot": np.asarray(slots, dtype=np.int64),
+            "cache_len": cache_len,
+            "logit_index": np.asarray(logit_index, dtype=np.int64),
+        }
+        return rows, feeds
+
+    def _advance(self, row: _Row, outputs: dict[str, np.ndarray]) -> None:
+        s = row.sequence
+        features = outputs.get("features")
+        if features is not None and s.spec.drafting and self.block:
+            s.pending_features.append(features[row.start : row.start + row.count])
+        logits = outputs["logits"][row.logit_start : row.logit_start + row.logit_count]
+        if row.drafts < 0:  # a prefill chunk
+            s.prefilled += row.count
+            s.target_len = s.prefilled
+            if row.logit_count:
+                processed = target_rows(logits, s.history, np.zeros(0, np.int64), s.params)
+                token = int(np.argmax(processed[0])) if s.params.greedy else sample(processed[0], s.rng)
+                self._emit(s, [token])
+            return
+        drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
+        processed = target_rows(logits, s.history, drafts, s.params)
+        if s.params.greedy:
+            accepted, token = verify_greedy(processed.argmax(-1), drafts)
+        else:
+            accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
+        if row.drafts:
+            s.stats.rounds += 1
+            s.stats.drafted += row.drafts
+            s.stats.accepted += accepted
+        s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
+        if features is not None and s.spec.drafting and self.block:
+            s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
+        self._emit(s, drafts[:accepted].tolist() + [token])
+
+    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        """Hand tokens to the output side, which may finish the request (stop, length)."""
+        s.stats.steps += 1
+        s.anchor = tokens[-1]
+        self.emit(s, tokens)
+        if s.finish_reason is None and s.target_len + 1 > self.manifest.max_context:
+            s.finish_reason = "length"
+
+    def _draft(self, sequences: list[Sequence]) -> None:
+        if not sequences or not self.block:
+            return
+        context = [np.concatenate(s.pending_features) for s in sequences]
+        cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
+        for s in self.active:
+            cache_len[s.slot] = s.drafter_len
+        feeds = {
+            "context_features": np.concatenate(context).astype(np.float32),
+            "context_slot": np.concatenate([[s.slot] * len(c) for s, c in zip(sequences, context)]).astype(np.int64),
+            "context_pos": np.concatenate([np.arange(s.drafter_len, s.drafter_len + len(c)) for s, c in zip(sequences, context)]).astype(np.int64),
+            "anchor_ids": np.asarray([s.anchor for s in sequences], dtype=np.int64),
+            "anchor_pos": np.asarray([s.target_len for s in sequences], dtype=np.int64),
+            "request_slot": np.asarray([s.slot for s in sequences], dtype=np.int64),
+            "cache_len": cache_len,
+            "noise": np.stack([s.rng.uniform(1e-12, 1.0, self.block) for s in sequences]).astype(np.float32).clip(1e-12, 1 - 1e-7),
+            "temperature": np.asarray([s.params.temperature for s in sequences], dtype=np.float32),
+        }
+        outputs = self.run_drafter(feeds | self.drafter_cache.feeds())
+        self.drafter_cache.write(feeds["context_slot"], feeds["context_pos"], outputs)
+        for index, s in enumerate(sequences):
+            s.drafts = outputs["draft_tokens"][index]
+            s.draft_probs = outputs["draft_probs"][index]
+            s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
+            s.drafter_len = s.target_len
+            s.pending_features = []
+
+    # ---- finishing ------------------------------------------------------------------------------
+    def _finish(self, sequence: Sequence, reason: str) -> None:
+        sequence.finish_reason = sequence.finish_reason or reason
+        self.emit(sequence, [])
+
+    def _release(self, sequence: Sequence) -> None:
+        self.active.remove(sequence)
+        self.slots.release(sequence.slot)
+        sequence.slot = -1

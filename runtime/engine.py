@@ -1,0 +1,249 @@
+"""The public runtime: `Engine.load()`, then `generate`, `stream`, `chat`, from any number of threads.
+
+One background thread owns the `EngineCore` and steps it while there is work; requests submitted
+from other threads are batched into the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from dspark_runtime.backend import open_graphs
+from dspark_runtime.core import EngineCore
+from dspark_runtime.engine_dir import CALIBRATION, HARDWARE_CURVE, read_manifest
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.output import Delta, OutputState
+from dspark_runtime.sampling import InvalidRequestError, SamplingParams
+from dspark_runtime.scheduler import SpeedCurve
+from dspark_runtime.sequence import Sequence
+from dspark_runtime.spec_mode import SpecMode
+from dspark_runtime.tokenizer import ChatTokenizer
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    stats: dict
+
+
+class Request:
+    """A submitted request: iterate it for deltas, `result()` for the whole completion, `cancel()` to stop."""
+
+    def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState):
+        self.engine, self.sequence, self.output = engine, sequence, output
+        self.events: queue.Queue[Delta | Exception] = queue.Queue()
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        self.sequence.cancelled = True
+        self.engine._wake()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            event = self.events.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> Completion:
+        for _ in self:
+            pass
+        s = self.sequence
+        return Completion(self.output.text, list(self.output.visible), s.finish_reason, len(s.prompt),
+                          s.stats.summary(len(s.generated)))
+
+
+class Engine:
+    """A loaded engine directory: tokenizer, graphs, caches and the step loop."""
+
+    def __init__(self, folder: Path, manifest, tokenizer: ChatTokenizer, target, drafter):
+        self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
+        curve, temperatures = _load_curve(folder), _load_calibration(folder)
+        self.core = EngineCore(manifest, target.run, drafter.run if drafter else None, self._on_tokens, curve, temperatures)
+        self._ids = count()
+        self._requests: dict[int, Request] = {}
+        self._inbox: list[Sequence] = []
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, backend: str = "auto", threads: int | None = None,
+             providers: list[str] | None = None) -> "Engine":
+        """Load an engine directory (None: the bundled demo, built into the user cache on first use)."""
+        folder = Path(path) if path is not None else _demo_engine()
+        manifest = read_manifest(folder)
+        tokenizer = ChatTokenizer.from_dir(folder)
+        target, drafter = open_graphs(folder, "ort" if backend == "auto" else backend, manifest.drafter is not None,
+                                      threads, providers)
+        return cls(folder, manifest, tokenizer, target, drafter)
+
+    # ---- submission -----------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
+               truncate: bool = False) -> Request:
+        """Queue a request; it starts as soon as a cache slot is free."""
+        params = params or SamplingParams()
+        mode = SpecMode.parse(spec, self.core.block)
+        if mode.drafting and not self.core.block:
+            raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
+        if mode.kind in ("sync", "async") and self.core.curve is None:
+            raise InvalidRequestError(f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first")
+        ids = self._encode(prompt)
+        limit = self.manifest.max_context - 1
+        if len(ids) > limit:
+            if not truncate:
+                raise InvalidRequestError(f"the prompt has {len(ids)} tokens; this engine's context holds {limit} "
+                                          "(shorten it, or pass truncate=True to keep its end)")
+            ids = ids[-limit:]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed))
+        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), self.manifest_eos())
+        request = Request(self, sequence, output)
+        with self._lock:
+            if self._closed:
+                raise DSparkError("the engine has been shut down")
+            self._requests[sequence.request_id] = request
+            self._inbox.append(sequence)
+            self._work.notify()
+        return request
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Completion:
+        return self.submit(prompt, params, spec, **kwargs).result()
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Iterator[Delta]:
+        """Text deltas (`.text`, `.token_ids`, `.finish_reason` on the last); closing the iterator cancels."""
+        request = self.submit(prompt, params, spec, **kwargs)
+        try:
+            yield from request
+        finally:
+            if request.sequence.finish_reason is None:
+                request.cancel()
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, spec: str | None = None,
+             **kwargs) -> Completion:
+        return self.generate(messages, params, spec, **kwargs)
+
+    def manifest_eos(self) -> tuple[int, ...]:
+        return tuple(self.manifest.eos_token_ids)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+        if all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.manifest.vocab_size for t in ids):
+                raise InvalidRequestError(f"token ids must lie in [0, {self.manifest.vocab_size})")
+            return ids
+        raise InvalidRequestError("a prompt is a string, a list of token ids, or a list of chat messages")
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        with self._lock:
+            self._work.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._inbox and not self.core.busy and not self._closed:
+                    self._work.wait()
+                if self._closed and not self.core.busy and not self._inbox:
+                    return
+                for sequence in self._inbox:
+                    self.core.add(sequence)
+                self._inbox.clear()
+            try:
+                self.core.step()
+            except Exception as exc:  # an engine fault: fail the requests in flight, keep serving
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = DSparkError(f"engine step failed: {exc}")
+        for sequence in list(self.core.active) + list(self.core.waiting):
+            sequence.finish_reason = "error"
+            request = self._requests.pop(sequence.request_id, None)
+            if request:
+                request.events.put(error)
+        for sequence in list(self.core.active):
+            self.core._release(sequence)
+        self.core.waiting.clear()
+
+    def _on_tokens(self, sequence: Sequence, tokens: list[int]) -> None:
+        request = self._requests.get(sequence.request_id)
+        if request is None:
+            return
+        delta = request.output.accept(sequence, tokens)
+        if sequence.finish_reason is not None:
+            sequence.stats.finished = time.perf_counter()
+            self._requests.pop(sequence.request_id, None)
+            delta = delta or Delta("", [], sequence.finish_reason)
+        if delta is not None:
+            request.events.put(delta)
+
+    def shutdown(self) -> None:
+        """Cancel what is queued or running, stop the loop; later submissions raise."""
+        with self._lock:
+            self._closed = True
+            for request in self._requests.values():
+                request.sequence.cancelled = True
+            self._work.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _load_curve(folder: Path) -> SpeedCurve | None:
+    file = folder / HARDWARE_CURVE
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    return SpeedCurve(np.asarray(data["target_seconds"]), np.asarray(data["draft_seconds"]))
+
+
+def _load_calibration(folder: Path) -> np.ndarray | None:
+    file = folder / CALIBRATION
+    return np.asarray(json.loads(file.read_text())["temperatures"]) if file.is_file() else None
+
+
+def _demo_engine() -> Path:
+    """The bundled demo's engine in the user cache, built on first use (no network, no torch)."""
+    from dspark_runtime.engine_dir import EngineError
+
+    try:
+        from dspark_export.build import build_engine, default_engine_dir
+        from dspark_export.drafters.bundled import bundled_drafters, bundled_root
+        from dspark_export.presets import resolve_target
+    except ImportError as exc:  # pragma: no cover - only without the exporter installed
+        raise EngineError(f"the bundled demo needs dspark_export to build its engine: {exc}") from None
+    drafter = "demo-dspark" if "demo-dspark" in bundled_drafters() else None
+    folder = default_engine_dir("demo", drafter)
+    try:
+        read_manifest(folder)
+    except EngineError:
+        build_engine(resolve_target("demo"), folder, bundled_root() / drafter if drafter else None, drafter, force=True)
+    return folder

@@ -1,0 +1,65 @@
+"""One request inside the engine: its tokens, cache bookkeeping, drafts, output text and statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.spec_mode import SpecMode
+
+
+@dataclass
+class Stats:
+    steps: int = 0  # target steps in which this request produced tokens
+    rounds: int = 0  # verification rounds with at least one draft
+    drafted: int = 0
+    accepted: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+
+    def summary(self, generated: int) -> dict:
+        ttft = None if self.first_token is None else self.first_token - self.started
+        decode_time = None if self.first_token is None or self.finished is None else self.finished - self.first_token
+        return {
+            "tau": generated / self.steps if self.steps else 0.0,
+            "steps": self.steps,
+            "accepted_per_step": self.accepted / self.rounds if self.rounds else 0.0,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "tokens_per_s": (generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
+            "ttft_s": ttft,
+        }
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    spec: SpecMode
+    rng: np.random.Generator
+    slot: int = -1
+    prefilled: int = 0  # prompt positions already run through the target
+    target_len: int = 0  # positions committed in the target cache
+    drafter_len: int = 0  # positions committed in the drafter cache
+    pending_features: list[np.ndarray] = field(default_factory=list)  # positions drafter_len..target_len-1
+    anchor: int | None = None  # newest token, at position target_len, not yet run through the target
+    drafts: np.ndarray | None = None  # [γ] proposed after the anchor
+    draft_probs: np.ndarray | None = None  # [γ, V]
+    confidence_logits: np.ndarray | None = None  # [γ]
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def decoding(self) -> bool:
+        return self.anchor is not None
+
+    @property
+    def history(self) -> np.ndarray:
+        """Every token so far (prompt and generated, the anchor included), for penalties."""
+        return np.asarray(self.prompt + self.generated, dtype=np.int64)

@@ -1,0 +1,40 @@
+"""Speculation modes: `off` (target only), `fixed:K`, `sync` and `async` (confidence-scheduled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark_runtime.sampling import InvalidRequestError
+
+MODES = ("off", "fixed", "sync", "async")
+
+
+@dataclass(frozen=True)
+class SpecMode:
+    kind: str  # "off" | "fixed" | "sync" | "async"
+    drafts: int = 0  # K for fixed:K
+
+    @classmethod
+    def parse(cls, text: str | None, default_block: int) -> "SpecMode":
+        """`off`, `fixed:K`, `sync`, `async`; None means fixed at the drafter's γ (or off without a drafter)."""
+        if text is None:
+            return cls("fixed", default_block) if default_block else cls("off")
+        kind, _, value = text.partition(":")
+        if kind not in MODES or (kind == "fixed") != bool(value):
+            raise InvalidRequestError(f"unknown speculation mode {text!r}; use off, fixed:K, sync or async")
+        if kind == "fixed":
+            try:
+                drafts = int(value)
+            except ValueError:
+                raise InvalidRequestError(f"fixed:K needs an integer K, got {value!r}") from None
+            if drafts < 0:
+                raise InvalidRequestError("fixed:K needs K >= 0")
+            return cls("fixed", drafts)
+        return cls(kind)
+
+    @property
+    def drafting(self) -> bool:
+        return self.kind != "off" and not (self.kind == "fixed" and self.drafts == 0)
+
+    def __str__(self) -> str:
+        return f"fixed:{self.drafts}" if self.kind == "fixed" else self.kind

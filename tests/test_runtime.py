@@ -1,0 +1,175 @@
+"""The runtime on a tiny engine: greedy speculative output equals target-only output, alone and batched;
+queueing and cancellation return every slot; bad requests fail alone; no torch is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from dspark_runtime import Engine, SamplingParams
+from dspark_runtime.sampling import InvalidRequestError
+
+torch = pytest.importorskip("torch")
+
+from dspark_export.build import build_engine  # noqa: E402
+from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
+from dspark_export.presets import resolve_target  # noqa: E402
+from tests.test_build import write_drafter  # noqa: E402
+from tests.conftest import write_hf_checkpoint  # noqa: E402
+
+TEXT = ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there, friend!"] * 20
+PROMPTS = ["def add(", "The answer", "Hello", "def f(x):\n    return", "Hello there, friend! The"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime")
+    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=64)
+    train_tokenizer(TEXT, target, vocab_size=300)
+    drafter = write_drafter(target, root / "drafter", block=3)
+    return build_engine(resolve_target(None, target), root / "engine", drafter, "drafter", cache_slots=4,
+                        max_batch_tokens=32, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir):
+    with Engine.load(engine_dir, threads=1) as engine:
+        yield engine
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("spec", ["fixed:1", "fixed:3"])
+def test_greedy_speculation_equals_target_only(engine, spec):
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, GREEDY, spec="off")
+        fast = engine.generate(prompt, GREEDY, spec=spec)
+        assert fast.token_ids == plain.token_ids and fast.text == plain.text
+        assert len(plain.token_ids) == 24 and plain.finish_reason == "length"
+        assert plain.stats["tau"] == pytest.approx(1.0) and fast.stats["tau"] >= 1.0
+
+
+def test_batched_requests_with_mixed_params_equal_their_solo_runs(engine):
+    solo = {p: engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS}
+    others = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=3)
+    requests = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        requests.append((prompt, engine.submit(prompt, GREEDY, spec=["fixed:3", "off", "fixed:2"][i % 3])))
+        requests.append((None, engine.submit(prompt + " x", others, spec="fixed:3")))
+    for prompt, request in requests:
+        result = request.result()
+        if prompt is not None:
+            assert result.token_ids == solo[prompt]
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=11)
+    first = engine.generate("Hello", params, spec="fixed:3")
+    assert engine.generate("Hello", params, spec="fixed:3").token_ids == first.token_ids
+
+
+def test_streaming_deltas_add_up(engine):
+    deltas = list(engine.stream("def add(", GREEDY, spec="fixed:3"))
+    assert deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == engine.generate("def add(", GREEDY, spec="fixed:3").text
+
+
+def test_queueing_and_cancellation_return_every_slot(engine):
+    rng = np.random.default_rng(0)
+    expected = {p: engine.generate(p, GREEDY, spec="fixed:3").token_ids for p in PROMPTS}
+    requests = [(PROMPTS[i % len(PROMPTS)], engine.submit(PROMPTS[i % len(PROMPTS)], GREEDY, spec="fixed:3")) for i in range(32)]
+    cancelled = set(rng.choice(32, size=10, replace=False).tolist())
+    for index in cancelled:
+        requests[index][1].cancel()
+    results = [None] * 32
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, requests[i][1].result())) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for index, result in enumerate(results):
+        assert result is not None
+        if result.finish_reason != "cancelled":
+            assert result.token_ids == expected[requests[index][0]]
+        else:
+            assert index in cancelled
+    assert sorted(engine.core.slots.free) == [0, 1, 2, 3] and not engine.core.active
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(max_tokens=0), "max_tokens must be at least 1"),
+])
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_fail_alone(engine):
+    running = engine.submit("Hello", GREEDY, spec="fixed:3")
+    with pytest.raises(InvalidRequestError, match="the prompt has .* tokens; this engine's context holds 63"):
+        engine.submit("Hello " * 80, GREEDY)
+    with pytest.raises(InvalidRequestError, match="needs hardware_curve.json"):
+        engine.submit("Hello", GREEDY, spec="sync")
+    with pytest.raises(InvalidRequestError, match="unknown speculation mode"):
+        engine.submit("Hello", GREEDY, spec="turbo")
+    truncated = engine.generate("Hello " * 80, SamplingParams(max_tokens=2, temperature=0), truncate=True)
+    assert truncated.prompt_tokens == 63
+    assert running.result().finish_reason == "length"
+
+
+def test_request_after_shutdown(engine_dir):
+    engine = Engine.load(engine_dir, threads=1)
+    engine.shutdown()
+    with pytest.raises(Exception, match="shut down"):
+        engine.submit("Hello", GREEDY)
+
+
+def test_runtime_imports_no_torch():
+    code = "import sys, dspark_runtime, dspark_runtime.engine; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def echo_engine_dir(tmp_path_factory):
+    """Positive control: with every layer's output projection zeroed, target and drafter both map a token
+    to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark_export.drafters.checkpoint import build_drafter, save_drafter
+    from dspark_export.drafters.config import DrafterConfig
+
+    root = tmp_path_factory.mktemp("echo")
+    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True)
+    train_tokenizer(TEXT, target, vocab_size=300)
+    weights = load_file(target / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name].zero_()
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    drafter_dir = write_drafter(target, root / "drafter", block=3)
+    config = DrafterConfig.from_dir(drafter_dir)
+    drafter = build_drafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+    save_drafter(drafter, drafter_dir)
+    return build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=2,
+                        show_progress=False)
+
+
+def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
+    with Engine.load(echo_engine_dir, threads=1) as engine:
+        for prompt in PROMPTS:
+            plain = engine.generate(prompt, GREEDY, spec="off")
+            fast = engine.generate(prompt, GREEDY, spec="fixed:3")
+            assert fast.token_ids == plain.token_ids
+            assert fast.stats["accepted_per_step"] >= 1.0  # the first draft always passes
+            assert fast.stats["tau"] > 1.8
