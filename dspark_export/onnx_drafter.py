@@ -1,11 +1,11 @@
 """Build `drafter.onnx` for a DSpark or DFlash drafter (backbone + unrolled sequential head + confidence
-head, drafts by Gumbel-max from a noise input), from the drafter's and the target's safetensors.
+head, drafts sampled by inverse CDF from a noise input), from the drafter's and the target's safetensors.
 
 Inputs
     context_features [C, F], context_slot [C], context_pos [C]   target features of newly committed positions
     anchor_ids [R], anchor_pos [R], request_slot [R]              each request's anchor (newest token)
     cache_len [S]; past_key_i / past_value_i [S, Hkv, Lmax, D]    the drafter's own context cache
-    noise [R, γ] uniforms in (0, 1); temperature [R] per request (0 = argmax)
+    noise [R, γ] uniforms in [0, 1), one per draft; temperature [R] per request (0 = argmax)
 Outputs
     draft_tokens [R, γ] int64; draft_probs [R, γ, V] (what the drafts were drawn from; one-hot at T = 0)
     confidence_logits [R, γ] (DSpark only; σ of it is the conditional acceptance probability)
@@ -128,12 +128,11 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
 
 
 def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
-    """Unrolled γ steps: bias from the previous token, Gumbel-max sampling, confidence logits."""
+    """Unrolled γ steps: bias from the previous token, inverse-CDF sampling from one uniform, confidence logits."""
     temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
     sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
     sampling_row = b.op("Squeeze", sampling, b.const([1]))  # [R]
     safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
-    gumbel = b.op("Neg", b.op("Log", b.op("Neg", b.op("Log", "noise"))))  # [R, γ]
     one_hot_values = b.const([0.0, 1.0], np.float32)
     previous, state = "anchor_ids", None
     tokens, probs, confidences = [], [], []
@@ -158,13 +157,15 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
             if config.confidence:
                 confidences.append(b.op("Gemm", b.op("Concat", h_k, code, axis=-1), ops.weight("confidence_head.weight"),
                                         ops.weight("confidence_head.bias"), transB=1))  # [R, 1]
-        scaled = b.op("Div", logits, safe_t)
-        noise_k = b.op("Squeeze", b.op("Gather", gumbel, index, axis=1), b.const([1]))
-        sampled = b.op("ArgMax", b.op("Add", scaled, b.op("Unsqueeze", noise_k, b.const([1]))), axis=-1, keepdims=0)
+        softmax = b.op("Softmax", b.op("Div", logits, safe_t), axis=-1)  # [R, V]
+        cdf = b.op("CumSum", softmax, b.const(-1))
+        threshold = b.op("Mul", b.op("Gather", "noise", index, axis=1), b.op("Gather", cdf, b.const([vocab - 1]), axis=1))
+        below = b.op("ReduceSum", b.op("Cast", b.op("Less", cdf, threshold), to=TensorProto.INT64), b.const([-1]), keepdims=0)
+        sampled = b.op("Min", below, b.const(vocab - 1))  # inverse CDF: first token whose cumulative mass passes u
         greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
         token = b.op("Where", sampling_row, sampled, greedy)
         one_hot = b.op("OneHot", greedy, b.const([vocab]), one_hot_values, axis=-1)
-        probs.append(b.op("Unsqueeze", b.op("Where", sampling, b.op("Softmax", scaled, axis=-1), one_hot), b.const([1])))
+        probs.append(b.op("Unsqueeze", b.op("Where", sampling, softmax, one_hot), b.const([1])))
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         previous = token
     b.op("Concat", *tokens, axis=1, name="draft_tokens")

@@ -178,6 +178,8 @@ class EngineCore:
         processed = target_rows(logits, s.history, drafts, s.params)
         if s.params.greedy:
             accepted, token = verify_greedy(processed.argmax(-1), drafts)
+        elif row.drafts == 0:
+            accepted, token = 0, sample(processed[0], s.rng)
         else:
             accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
         if row.drafts:

@@ -136,33 +136,41 @@ def test_runtime_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def echo_engine_dir(tmp_path_factory):
+def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0):
     """Positive control: with every layer's output projection zeroed, target and drafter both map a token
-    to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely."""
+    to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
+    A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
+    `embedding_scale` sharpens both distributions (larger logits)."""
     from safetensors.torch import load_file, save_file
 
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
     from dspark_export.drafters.config import DrafterConfig
 
-    root = tmp_path_factory.mktemp("echo")
     target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True)
     train_tokenizer(TEXT, target, vocab_size=300)
     weights = load_file(target / "model.safetensors")
     for name in weights:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name].zero_()
+    weights["model.embed_tokens.weight"] *= embedding_scale
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     drafter_dir = write_drafter(target, root / "drafter", block=3)
-    config = DrafterConfig.from_dir(drafter_dir)
-    drafter = build_drafter(config)
+    drafter = build_drafter(DrafterConfig.from_dir(drafter_dir))
+    torch.manual_seed(0)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.zero_()
+            if name == "markov_w2.weight":
+                param.normal_(0, markov_scale) if markov_scale else param.zero_()
     save_drafter(drafter, drafter_dir)
-    return build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=2,
+    return build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
                         show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def echo_engine_dir(tmp_path_factory):
+    return build_echo_engine(tmp_path_factory.mktemp("echo"))
 
 
 def test_accepted_drafts_are_committed_correctly(echo_engine_dir):

@@ -44,15 +44,18 @@ class InjectedLayer(nn.Module):
 
 
 def pick(logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from softmax(logits / T) by Gumbel-max with the given uniforms in (0, 1); T = 0 takes the argmax.
+    """Sample from softmax(logits / T) by inverse CDF with one uniform in [0, 1) per row; T = 0 takes the argmax.
 
-    Returns the tokens [R] and the distribution they were drawn from [R, V] (one-hot for T = 0).
+    Returns the tokens [R] and the distribution they were drawn from [R, V] (one-hot for T = 0). One uniform
+    per draft position keeps drafting deterministic given the noise input (Gumbel-max would need V of them).
     """
     if temperature == 0:
         token = logits.argmax(-1)
         return token, F.one_hot(token, logits.shape[-1]).to(logits.dtype)
-    gumbel = -torch.log(-torch.log(uniform))
-    return (logits / temperature + gumbel).argmax(-1), torch.softmax(logits / temperature, -1)
+    probs = torch.softmax(logits / temperature, -1)
+    cdf = probs.cumsum(-1)
+    token = (cdf < uniform[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    return token, probs
 
 
 @dataclass
@@ -139,8 +142,8 @@ class BlockDrafter(nn.Module):
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> Draft:
         """Sample γ drafts left to right from the block's hidden states [R, γ, H].
 
-        Gumbel-max: x_k = argmax(logits_k / T + g_k) with g_k = -log(-log(u_k)), u_k = noise[:, k] in (0, 1),
-        samples exactly softmax(logits_k / T); T = 0 takes the argmax. q is returned as used.
+        Inverse CDF: x_k is the first token whose cumulative probability exceeds u_k = noise[:, k], so x_k is
+        distributed exactly as softmax(logits_k / T); T = 0 takes the argmax. q is returned as used.
         """
         base = self.base_logits(hidden)
         previous, state = anchors, None

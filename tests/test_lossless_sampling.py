@@ -1,0 +1,93 @@
+"""Sampling through the engine is lossless: the joint distribution of the first two generated tokens under
+speculative decoding matches the target's exact distribution (chi-square), and a deliberately wrong
+verifier (resampling from p instead of the residual on rejection) fails the same test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_runtime import Engine, SamplingParams
+from dspark_runtime.sampling import target_rows
+
+torch = pytest.importorskip("torch")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+from dspark_export.checkpoint import Checkpoint  # noqa: E402
+from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.model import Qwen3Model  # noqa: E402
+from tests.test_runtime import build_echo_engine  # noqa: E402
+
+SAMPLES = 3000
+# three tokens, so that the second is produced by verifying a draft (a last token needs no draft)
+SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+            "T0.7-topp0.9": SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, ignore_eos=True),
+            "T1-topk20": SamplingParams(max_tokens=3, temperature=1.0, top_k=20, ignore_eos=True)}
+
+
+@pytest.fixture(scope="module")
+def skewed_engine_dir(tmp_path_factory):
+    """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p."""
+    return build_echo_engine(tmp_path_factory.mktemp("skewed"), markov_scale=0.3, embedding_scale=4.0)
+
+
+def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
+    folder = engine_dir.parent / "target"
+    model = Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), "float32")
+    history = np.asarray(prompt_ids)
+    with torch.no_grad():
+        first = target_rows(model(torch.tensor([prompt_ids])).logits[0, -1:].numpy(), history, np.zeros(0, np.int64), params)[0]
+        support = np.flatnonzero(first)
+        batch = torch.tensor([prompt_ids + [int(y1)] for y1 in support])
+        last = model(batch).logits[:, -1].numpy()  # every continuation's next-token logits in one forward
+        joint = {}
+        for y1, logits in zip(support, last):
+            ids = np.asarray(prompt_ids + [int(y1)])
+            second = target_rows(logits[None], ids, np.zeros(0, np.int64), params)[0]
+            for y2 in np.flatnonzero(second):
+                joint[(int(y1), int(y2))] = first[y1] * second[y2]
+    return joint
+
+
+def sample_pairs(engine, prompt_ids, params, spec) -> dict[tuple[int, int], int]:
+    requests = [engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec) for seed in range(SAMPLES)]
+    counts: dict[tuple[int, int], int] = {}
+    for request in requests:
+        pair = tuple(request.result().token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+def p_value(counts, joint) -> float:
+    keys = sorted(joint, key=lambda k: -joint[k])
+    expected = np.array([joint[k] for k in keys]) * SAMPLES
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    outside = SAMPLES - observed.sum()  # pairs the target can never produce
+    if outside > 0:
+        return 0.0
+    small = expected < 5  # merge sparse bins
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        observed = np.append(observed[~small], observed[small].sum())
+    return scipy_stats.chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engine_dir, monkeypatch, setting):
+    params = SETTINGS[setting]
+    with Engine.load(skewed_engine_dir, threads=1) as engine:
+        prompt = engine.tokenizer.encode("Hello there")
+        joint = exact_joint(skewed_engine_dir, prompt, params)
+        assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) > 1e-3
+
+        import dspark_runtime.core as core
+        from dspark_runtime.verify import sample
+
+        def no_residual(target_probs, draft_probs, draft_tokens, rng):
+            for k, token in enumerate(draft_tokens):
+                if rng.random() * draft_probs[k, token] >= target_probs[k, token]:
+                    return k, sample(target_probs[k], rng)  # wrong: should be the residual
+            return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+
+        monkeypatch.setattr(core, "verify_sampled", no_residual)
+        assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) < 1e-6
