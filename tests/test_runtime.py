@@ -181,3 +181,22 @@ def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
             assert fast.token_ids == plain.token_ids
             assert fast.stats["accepted_per_step"] >= 1.0  # the first draft always passes
             assert fast.stats["tau"] > 1.8
+
+
+def test_bench_command(engine_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"domain": "code", "prompt": p}) + "\n" for p in PROMPTS))
+    result = CliRunner().invoke(main, ["bench", str(engine_dir), "--prompts", str(prompts), "--modes", "off,fixed:3",
+                                       "--concurrency", "1,2", "--max-tokens", "8", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert [(r["mode"], r["concurrency"]) for r in report["results"]] == [("off", 1), ("fixed:3", 1), ("off", 2), ("fixed:3", 2)]
+    assert all(r["generated_tokens"] == 8 * len(PROMPTS) and r["ratio_to_off"] > 0 for r in report["results"])
+    bad = CliRunner().invoke(main, ["bench", str(engine_dir), "--concurrency", "0,x"])
+    assert bad.exit_code == 2

@@ -1,0 +1,72 @@
+"""`dspark-run bench`: the same prompts through every speculation mode and concurrency, in one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from dspark_runtime.engine import Engine, Prompt
+from dspark_runtime.sampling import SamplingParams
+
+
+def prompt_of(row: dict) -> Prompt:
+    return row["messages"] if "messages" in row else row["prompt"]
+
+
+def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, concurrency: int) -> dict:
+    """All prompts with at most `concurrency` in flight; aggregate and per-request figures."""
+    gate = threading.Semaphore(concurrency)
+    results: list = [None] * len(rows)
+
+    def worker(index: int) -> None:
+        try:
+            seeded = replace(params, seed=index if params.seed is None else params.seed + index)
+            results[index] = engine.generate(prompt_of(rows[index]), seeded, spec=spec, truncate=True)
+        finally:
+            gate.release()
+
+    threads = []
+    started = time.perf_counter()
+    for index in range(len(rows)):
+        gate.acquire()
+        thread = threading.Thread(target=worker, args=(index,))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    generated = sum(len(r.token_ids) for r in results)
+    steps = sum(r.stats["steps"] for r in results)
+    return {
+        "mode": spec,
+        "concurrency": concurrency,
+        "tokens_per_s": generated / elapsed,
+        "per_request_tokens_per_s": float(np.median([r.stats["tokens_per_s"] for r in results if r.stats["tokens_per_s"]] or [0.0])),
+        "tau": generated / steps if steps else 0.0,
+        "steps": steps,
+        "generated_tokens": generated,
+        "seconds": elapsed,
+        "accepted_per_step": float(np.mean([r.stats["accepted_per_step"] for r in results])),
+    }
+
+
+def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrencies: list[int], params: SamplingParams,
+                  progress: Callable[[dict], None] | None = None) -> dict:
+    """Every (mode, concurrency) pair; `ratio_to_off` against `off` at the same concurrency when measured."""
+    engine.generate(prompt_of(rows[0]), replace(params, max_tokens=4), spec=modes[0], truncate=True)  # warm-up
+    results = []
+    for concurrency in concurrencies:
+        for mode in modes:
+            result = run_mode(engine, rows, params, mode, concurrency)
+            results.append(result)
+            if progress:
+                progress(result)
+    for result in results:
+        base = next((r for r in results if r["mode"] == "off" and r["concurrency"] == result["concurrency"]), None)
+        result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "results": results}
