@@ -52,8 +52,12 @@ class EngineCore:
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
-        self.curve = curve
         self.sts = sts_temperatures
+        self.set_curve(curve)
+        self.round_log: list[tuple[np.ndarray, int]] | None = None  # (confidence logits, accepted) when recording
+
+    def set_curve(self, curve: SpeedCurve | None) -> None:
+        self.curve = curve
         self.async_scheduler = AsyncScheduler(curve, self.block) if curve is not None else None
 
     # ---- admission ------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ class EngineCore:
         self._admit()
         for sequence in [s for s in self.active if s.cancelled]:
             self._finish(sequence, "cancelled")
-            self._release(sequence)
+            self.release(sequence)
         if not self.active:
             return
         lengths = self._schedule([s for s in self.active if s.decoding])
@@ -89,7 +93,7 @@ class EngineCore:
             self._advance(row, outputs)
         self._draft([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None])
         for sequence in [s for s in self.active if s.finish_reason is not None]:
-            self._release(sequence)
+            self.release(sequence)
 
     def _schedule(self, decoding: list[Sequence]) -> dict[int, int]:
         """Drafts to verify per decoding request (request id -> ℓ), within the request's limits."""
@@ -182,6 +186,8 @@ class EngineCore:
             accepted, token = 0, sample(processed[0], s.rng)
         else:
             accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
+        if self.round_log is not None and row.drafts == self.block and s.confidence_logits is not None:
+            self.round_log.append((s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
         if row.drafts:
             s.stats.rounds += 1
             s.stats.drafted += row.drafts
@@ -231,7 +237,7 @@ class EngineCore:
         sequence.finish_reason = sequence.finish_reason or reason
         self.emit(sequence, [])
 
-    def _release(self, sequence: Sequence) -> None:
+    def release(self, sequence: Sequence) -> None:
         self.active.remove(sequence)
         self.slots.release(sequence.slot)
         sequence.slot = -1

@@ -87,14 +87,32 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, backend: str = "auto", threads: int | None = None,
-             providers: list[str] | None = None) -> "Engine":
-        """Load an engine directory (None: the bundled demo, built into the user cache on first use)."""
+             providers: list[str] | None = None, profile: bool = True) -> "Engine":
+        """Load an engine directory (None: the bundled demo, built into the user cache on first use).
+
+        An engine with a drafter but no hardware_curve.json is profiled first (once; `profile=False` skips it,
+        and then `sync`/`async` are unavailable).
+        """
         folder = Path(path) if path is not None else _demo_engine()
         manifest = read_manifest(folder)
         tokenizer = ChatTokenizer.from_dir(folder)
         target, drafter = open_graphs(folder, "ort" if backend == "auto" else backend, manifest.drafter is not None,
                                       threads, providers)
-        return cls(folder, manifest, tokenizer, target, drafter)
+        engine = cls(folder, manifest, tokenizer, target, drafter)
+        if profile and drafter is not None and engine.core.curve is None:
+            import sys
+
+            print(f"profiling {folder.name} once (hardware_curve.json)...", file=sys.stderr)
+            engine.profile()
+        return engine
+
+    def profile(self, context: int = 256, repeats: int = 7, progress=None) -> dict:
+        """Measure the speed curve, write hardware_curve.json and use it (call while the engine is idle)."""
+        from dspark_runtime.profiling import profile
+
+        curve = profile(self.core, self.folder, context, repeats, progress)
+        self.core.set_curve(SpeedCurve(np.asarray(curve["target_seconds"]), np.asarray(curve["draft_seconds"])))
+        return curve
 
     # ---- submission -----------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
@@ -182,11 +200,12 @@ class Engine:
         error = DSparkError(f"engine step failed: {exc}")
         for sequence in list(self.core.active) + list(self.core.waiting):
             sequence.finish_reason = "error"
-            request = self._requests.pop(sequence.request_id, None)
+            with self._lock:
+                request = self._requests.pop(sequence.request_id, None)
             if request:
                 request.events.put(error)
         for sequence in list(self.core.active):
-            self.core._release(sequence)
+            self.core.release(sequence)
         self.core.waiting.clear()
 
     def _on_tokens(self, sequence: Sequence, tokens: list[int]) -> None:
@@ -196,7 +215,8 @@ class Engine:
         delta = request.output.accept(sequence, tokens)
         if sequence.finish_reason is not None:
             sequence.stats.finished = time.perf_counter()
-            self._requests.pop(sequence.request_id, None)
+            with self._lock:
+                self._requests.pop(sequence.request_id, None)
             delta = delta or Delta("", [], sequence.finish_reason)
         if delta is not None:
             request.events.put(delta)
@@ -205,7 +225,7 @@ class Engine:
         """Cancel what is queued or running, stop the loop; later submissions raise."""
         with self._lock:
             self._closed = True
-            for request in self._requests.values():
+            for request in list(self._requests.values()):
                 request.sequence.cancelled = True
             self._work.notify()
         self._thread.join(timeout=30)

@@ -37,7 +37,7 @@ def engine_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_dir):
-    with Engine.load(engine_dir, threads=1) as engine:
+    with Engine.load(engine_dir, threads=1, profile=False) as engine:
         yield engine
 
 
@@ -125,7 +125,7 @@ def test_bad_requests_fail_alone(engine):
 
 
 def test_request_after_shutdown(engine_dir):
-    engine = Engine.load(engine_dir, threads=1)
+    engine = Engine.load(engine_dir, threads=1, profile=False)
     engine.shutdown()
     with pytest.raises(Exception, match="shut down"):
         engine.submit("Hello", GREEDY)
@@ -195,8 +195,46 @@ def test_bench_command(engine_dir, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(engine_dir), "--prompts", str(prompts), "--modes", "off,fixed:3",
                                        "--concurrency", "1,2", "--max-tokens", "8", "--threads", "1", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output.strip().splitlines()[-1])
+    report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
     assert [(r["mode"], r["concurrency"]) for r in report["results"]] == [("off", 1), ("fixed:3", 1), ("off", 2), ("fixed:3", 2)]
     assert all(r["generated_tokens"] == 8 * len(PROMPTS) and r["ratio_to_off"] > 0 for r in report["results"])
     bad = CliRunner().invoke(main, ["bench", str(engine_dir), "--concurrency", "0,x"])
     assert bad.exit_code == 2
+
+
+def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import main
+
+    engine_dir = build_echo_engine(tmp_path_factory.mktemp("scheduled"))
+    result = CliRunner().invoke(main, ["profile", str(engine_dir), "--repeats", "1", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    curve = json.loads((engine_dir / "hardware_curve.json").read_text())
+    assert len(curve["target_seconds"]) == 256 and np.all(np.diff(curve["target_seconds"]) >= 0)
+    assert len(curve["draft_seconds"]) == 8
+    with Engine.load(engine_dir, threads=1) as engine:
+        for prompt in PROMPTS[:3]:
+            plain = engine.generate(prompt, GREEDY, spec="off").token_ids
+            for spec in ("sync", "async"):
+                assert engine.generate(prompt, GREEDY, spec=spec).token_ids == plain
+
+
+def test_calibrate_command(tmp_path_factory):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import main
+
+    engine_dir = build_echo_engine(tmp_path_factory.mktemp("calibrated"))
+    prompts = engine_dir.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"domain": "chat", "prompt": p}) + "\n" for p in PROMPTS * 4))
+    result = CliRunner().invoke(main, ["calibrate", str(engine_dir), "--prompts", str(prompts), "--max-tokens", "24",
+                                       "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
+    assert len(report["temperatures"]) == 3 and report["rounds"] >= 50
+    assert json.loads((engine_dir / "calibration.json").read_text())["temperatures"] == report["temperatures"]

@@ -1,0 +1,70 @@
+"""`dspark-run profile`: measure t_target(B) and t_draft(R) on this machine and write hardware_curve.json.
+
+SPS(B; R) = 1 / (t_draft(R) + t_target(B)) then drives the `sync` and `async` schedulers. The target is
+timed with B new tokens spread over min(B, S) requests, each with `context` cached positions; the
+drafter with R requests, each bringing a few new context positions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dspark_calibration.timing import cost_table
+from dspark_runtime.core import EngineCore
+from dspark_runtime.engine_dir import HARDWARE_CURVE
+
+
+def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
+    slots = core.manifest.cache_slots
+    requests = min(tokens, slots)
+    per_request = np.full(requests, tokens // requests)
+    per_request[: tokens % requests] += 1
+    slot = np.repeat(np.arange(requests), per_request)
+    pos = np.concatenate([context + np.arange(n) for n in per_request])
+    cache_len = np.zeros(slots, dtype=np.int64)
+    cache_len[:requests] = context
+    return {"input_ids": np.full(tokens, 5, dtype=np.int64), "pos": pos.astype(np.int64), "slot": slot.astype(np.int64),
+            "cache_len": cache_len, "logit_index": np.arange(tokens, dtype=np.int64)} | core.target_cache.feeds()
+
+
+def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = 3) -> dict[str, np.ndarray]:
+    features = len(core.manifest.feature_layers) * core.manifest.target["hidden_size"]
+    slots = np.arange(requests)
+    cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
+    cache_len[:requests] = context
+    return {
+        "context_features": np.zeros((requests * new_context, features), dtype=np.float32),
+        "context_slot": np.repeat(slots, new_context).astype(np.int64),
+        "context_pos": np.tile(context + np.arange(new_context), requests).astype(np.int64),
+        "anchor_ids": np.full(requests, 5, dtype=np.int64),
+        "anchor_pos": np.full(requests, context + new_context, dtype=np.int64),
+        "request_slot": slots.astype(np.int64),
+        "cache_len": cache_len,
+        "noise": np.full((requests, core.block), 0.5, dtype=np.float32),
+        "temperature": np.ones(requests, dtype=np.float32),
+    } | core.drafter_cache.feeds()
+
+
+def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7,
+            progress: Callable[[str, int], None] | None = None) -> dict:
+    """Measure both tables and write `hardware_curve.json` into the engine directory."""
+    manifest = core.manifest
+    context = min(context, manifest.max_context - manifest.max_batch_tokens - core.block - 1)
+    context = max(context, 0)
+    target = cost_table(range(1, manifest.max_batch_tokens + 1),
+                        lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
+                        progress and (lambda n: progress("target", n)))
+    draft = np.zeros(manifest.cache_slots)
+    if core.block:
+        draft = cost_table(range(1, manifest.cache_slots + 1),
+                           lambda r: lambda: core.run_drafter(drafter_feeds(core, r, context)), repeats,
+                           progress and (lambda n: progress("drafter", n)))
+    curve = {"target_seconds": [round(float(t), 7) for t in target], "draft_seconds": [round(float(t), 7) for t in draft],
+             "context": context, "repeats": repeats, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    (folder / HARDWARE_CURVE).write_text(json.dumps(curve, indent=1) + "\n")
+    return curve
