@@ -27,9 +27,116 @@ def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str
     return values
 
 
-@click.group(cls=DSparkGroup)
+class ChatByDefault(DSparkGroup):
+    """`dspark-run [ENGINE_DIR] [options]` is the chat command; subcommands keep their names."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["chat", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=ChatByDefault)
 def main() -> None:
-    """Run DSpark engines (benchmark today; chat, serve, profile and calibrate are being built)."""
+    """Chat with a DSpark engine (the default command), or benchmark, profile and calibrate it.
+
+    \b
+    dspark-run                      chat with the bundled demo (its engine is built on first use)
+    dspark-run ENGINE_DIR -p "hi"   one-shot answer
+    """
+
+
+def summary_line(stats: dict) -> str:
+    return (f"[{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, {stats['accepted_per_step']:.2f} accepted/step, "
+            f"TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, {stats['tokens']} tokens, {stats['finish_reason']}]")
+
+
+@main.command()
+@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@click.option("-p", "--prompt", default=None, help="Answer this once and exit (stdin is read when it is not a terminal).")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=None, help="Temperature (0 = greedy; default: the model's).")
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
+@click.option("--min-p", type=click.FloatRange(min=0, max=1, max_open=True), default=None)
+@click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ctx", type=click.IntRange(min=16), default=None, help="Tokens of history kept (default: the engine's context).")
+@click.option("--spec", default=None, help="off, fixed:K, sync or async (default: fixed at the drafter's γ).")
+@click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
+@click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object.")
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+def chat(engine_dir, prompt, system, temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens, stop, ctx, spec,
+         completion, as_json, threads) -> None:
+    """Interactive streaming chat (/clear, /stats, /exit; Ctrl+C stops a reply), or a one-shot answer."""
+    import sys
+
+    from dspark_runtime.chat import ChatSession
+    from dspark_runtime.engine import Engine
+    from dspark_runtime.sampling import SamplingParams
+
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    with Engine.load(engine_dir, threads=threads) as engine:
+        defaults = engine.generation_defaults()
+        params = SamplingParams(
+            max_tokens=max_tokens, seed=seed, stop=tuple(stop), repetition_penalty=repeat_penalty,
+            temperature=defaults.get("temperature", 0.8) if temperature is None else temperature,
+            top_k=defaults.get("top_k", 0) if top_k is None else top_k,
+            top_p=defaults.get("top_p", 1.0) if top_p is None else top_p,
+            min_p=defaults.get("min_p", 0.0) if min_p is None else min_p,
+        )
+        session = ChatSession(engine, params, spec, system, ctx, completion)
+        if prompt is not None:
+            text = []
+            for delta in session.send(prompt):
+                text.append(delta.text)
+                if not as_json:
+                    click.echo(delta.text, nl=False)
+            if as_json:
+                click.echo(json.dumps({"text": "".join(text), "finish_reason": session.last_stats["finish_reason"],
+                                       "stats": session.last_stats}))
+            else:
+                click.echo()
+                click.echo(summary_line(session.last_stats), err=True)
+            return
+        _repl(session)
+
+
+def _repl(session) -> None:
+    click.echo("DSpark chat. /clear forgets the conversation, /stats shows the last reply's figures, /exit quits; "
+               "Ctrl+C stops a reply.", err=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:
+            click.echo()
+            continue
+        command = line.strip()
+        if command in ("/exit", "/quit", "/bye"):
+            return
+        if command == "/clear":
+            session.clear()
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if command == "/stats":
+            click.echo(json.dumps(session.last_stats or {}), err=True)
+            continue
+        if not command:
+            continue
+        try:
+            for delta in session.send(line):
+                click.echo(delta.text, nl=False)
+        except KeyboardInterrupt:
+            click.echo("\n(interrupted)", err=True)
+        click.echo()
+        if session.last_stats:
+            click.echo(summary_line(session.last_stats), err=True)
 
 
 @main.command()

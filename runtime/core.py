@@ -201,9 +201,9 @@ class EngineCore:
         """Hand tokens to the output side, which may finish the request (stop, length)."""
         s.stats.steps += 1
         s.anchor = tokens[-1]
-        self.emit(s, tokens)
-        if s.finish_reason is None and s.target_len + 1 > self.manifest.max_context:
+        if s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit: the context is full
             s.finish_reason = "length"
+        self.emit(s, tokens)
 
     def _draft(self, sequences: list[Sequence]) -> None:
         if not sequences or not self.block:

@@ -161,6 +161,14 @@ class Engine:
              **kwargs) -> Completion:
         return self.generate(messages, params, spec, **kwargs)
 
+    def generation_defaults(self) -> dict:
+        """Sampling defaults from the model's generation_config.json (temperature, top_k, top_p, min_p)."""
+        file = self.folder / "generation_config.json"
+        config = json.loads(file.read_text()) if file.is_file() else {}
+        if config.get("do_sample") is False:
+            return {"temperature": 0.0}
+        return {key: config[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in config}
+
     def manifest_eos(self) -> tuple[int, ...]:
         return tuple(self.manifest.eos_token_ids)
 

@@ -136,7 +136,7 @@ def test_runtime_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0):
+def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64):
     """Positive control: with every layer's output projection zeroed, target and drafter both map a token
     to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
     A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
@@ -146,7 +146,7 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
     from dspark_export.drafters.config import DrafterConfig
 
-    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True)
+    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=context, tie_word_embeddings=True)
     train_tokenizer(TEXT, target, vocab_size=300)
     weights = load_file(target / "model.safetensors")
     for name in weights:
@@ -238,3 +238,10 @@ def test_calibrate_command(tmp_path_factory):
     report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
     assert len(report["temperatures"]) == 3 and report["rounds"] >= 50
     assert json.loads((engine_dir / "calibration.json").read_text())["temperatures"] == report["temperatures"]
+
+
+def test_a_full_context_finishes_with_length(engine):
+    result = engine.generate("Hello there", SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), spec="fixed:3")
+    assert result.finish_reason == "length"
+    # 64 positions hold K/V; the last token sampled from position 63 is still emitted
+    assert result.prompt_tokens + len(result.token_ids) == 65

@@ -1,0 +1,56 @@
+"""A multi-turn conversation on top of `Engine`: history, system prompt, context window, one turn at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from dspark_runtime.engine import Engine
+from dspark_runtime.output import Delta
+from dspark_runtime.sampling import SamplingParams
+
+
+@dataclass
+class ChatSession:
+    engine: Engine
+    params: SamplingParams
+    spec: str | None = None
+    system: str | None = None
+    context: int | None = None  # tokens of history kept (default: the engine's context less max_tokens)
+    completion: bool = False  # plain text continuation instead of the chat template
+    history: list[dict] = field(default_factory=list)
+    last_stats: dict | None = None
+
+    def clear(self) -> None:
+        self.history.clear()
+
+    def prompt_for(self, user_text: str):
+        """The request for the next turn: chat messages (oldest turns dropped to fit) or plain text."""
+        if self.completion:
+            return user_text
+        context = self.context or self.engine.manifest.max_context
+        budget = max(context - self.params.max_tokens - 1, context // 2)  # leave room for the reply
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        turns = self.history + [{"role": "user", "content": user_text}]
+        while True:
+            messages = head + turns
+            if len(turns) <= 1 or len(self.engine.tokenizer.encode(
+                    self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))) <= budget:
+                return messages
+            turns = turns[2:]  # drop the oldest user/assistant pair
+
+    def send(self, user_text: str) -> Iterator[Delta]:
+        """Stream the reply; the turn joins the history when it completes (also when interrupted)."""
+        request = self.engine.submit(self.prompt_for(user_text), self.params, self.spec, truncate=True)
+        text = []
+        try:
+            for delta in request:
+                text.append(delta.text)
+                yield delta
+        finally:
+            if request.sequence.finish_reason is None:
+                request.cancel()
+            if not self.completion:
+                self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": "".join(text)}]
+            s = request.sequence
+            self.last_stats = s.stats.summary(len(s.generated)) | {"tokens": len(s.generated), "finish_reason": s.finish_reason}

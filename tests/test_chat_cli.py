@@ -1,0 +1,74 @@
+"""`dspark-run` chat driven through a pseudo-terminal: streamed answers, Ctrl+C keeps the session, /exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+pytest.importorskip("torch")
+
+from tests.test_runtime import build_echo_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    folder = build_echo_engine(tmp_path_factory.mktemp("chat"), context=2048)
+    (folder / "hardware_curve.json").write_text(json.dumps({"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}))
+    return folder
+
+
+def dspark_run(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from dspark_runtime.cli import main; main()", *args]
+
+
+def test_interactive_chat(engine_dir):
+    command = dspark_run(str(engine_dir), "--temp", "0", "-n", "1500", "--threads", "1")
+    child = pexpect.spawn(command[0], command[1:], encoding="utf-8", timeout=60, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    child.expect(">>> ")
+    child.sendline("Hello there")
+    child.expect(r"\[[\d.]+ tok/s, tau [\d.]+, .* tokens, (length|stop)\]")
+    child.expect(">>> ")
+    child.sendline("def add(a, b):")
+    child.expect("def add")  # the terminal echoes the line; the reply is streaming now
+    time.sleep(0.1)
+    child.sendintr()  # Ctrl+C while the reply streams (1500 tokens take a while)
+    child.expect(r"\(interrupted\)")
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r'"finish_reason"')
+    child.expect(">>> ")
+    child.sendline("/clear")
+    child.expect("conversation cleared")
+    child.sendline("The answer")
+    child.expect("tok/s")
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_one_shot_and_json(engine_dir):
+    text = subprocess.run(dspark_run(str(engine_dir), "-p", "Hello", "--temp", "0", "-n", "8", "--threads", "1"),
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "tok/s" in text.stderr
+    piped = subprocess.run(dspark_run(str(engine_dir), "--json", "--temp", "0", "-n", "8", "--threads", "1"),
+                           input="Hello", capture_output=True, text=True, timeout=120)
+    report = json.loads(piped.stdout)
+    assert text.stdout == report["text"] + "\n" and report["stats"]["tokens"] == 8
+
+
+def test_bad_invocations(engine_dir, tmp_path):
+    missing = subprocess.run(dspark_run(str(tmp_path / "nowhere"), "-p", "hi"), capture_output=True, text=True)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr and "nowhere" in missing.stderr
+    not_engine = subprocess.run(dspark_run(str(tmp_path), "-p", "hi"), capture_output=True, text=True)
+    assert not_engine.returncode == 1 and "not a DSpark engine directory" in not_engine.stderr
+    bad_flag = subprocess.run(dspark_run(str(engine_dir), "-p", "hi", "--top-p", "1.5"), capture_output=True, text=True)
+    assert bad_flag.returncode == 2 and "--top-p" in bad_flag.stderr
+    bad_spec = subprocess.run(dspark_run(str(engine_dir), "-p", "hi", "--spec", "warp"), capture_output=True, text=True)
+    assert bad_spec.returncode == 1 and "unknown speculation mode" in bad_spec.stderr
