@@ -221,3 +221,26 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, as_j
         for name in ("before", "after"):
             click.echo(f"{name:>6}: ECE {[round(100 * e, 2) for e in report[name]['ece']]} %  AUC {report[name]['auc']}")
         click.echo(f"temperatures {report['temperatures']} from {report['rounds']} rounds")
+
+
+@main.command()
+@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (localhost by default).")
+@click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
+@click.option("--spec", default=None, help="Default speculation mode for requests (a request may send `spec`).")
+@click.option("--model-name", default=None, help="The model id clients see (default: the engine folder's name).")
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+def serve(engine_dir, host, port, spec, model_name, threads) -> None:
+    """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream: true for SSE).
+
+    \b
+    Example client:
+      from openai import OpenAI
+      client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+      client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    """
+    from dspark_runtime.engine import Engine
+    from dspark_runtime.server import serve as run_server
+
+    with Engine.load(engine_dir, threads=threads) as engine:
+        run_server(engine, model_name or engine.folder.name, host, port, spec)
