@@ -26,13 +26,17 @@ def attach_target(drafter: torch.nn.Module, target: Qwen3Model) -> None:
     drafter.embed_tokens.weight.requires_grad_(False)
 
 
-def save_drafter(drafter: torch.nn.Module, folder: str | Path) -> None:
+def save_drafter(drafter: torch.nn.Module, folder: str | Path, dtype: str = "float32") -> None:
+    """Write the trained weights (bundled drafters use bfloat16 to keep the package small)."""
     from safetensors.torch import save_file
+
+    from dspark_export.model import TORCH_DTYPES
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     frozen = set(drafter.frozen_names())
-    state = {name: t.detach().float().contiguous() for name, t in drafter.state_dict().items() if name not in frozen}
+    state = {name: t.detach().to(TORCH_DTYPES[dtype]).contiguous() for name, t in drafter.state_dict().items()
+             if name not in frozen}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(drafter.config.to_json())
 
