@@ -21,7 +21,7 @@ from dspark_export.demo.corpus import CHAT_PROMPT_END, DOMAINS, read_jsonl
 from dspark_export.model import Qwen3Model
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
-BUCKET = 16  # chat prompts are trimmed from the left to a multiple of this, so equal lengths batch together
+BUCKET = 32  # chat prompts are trimmed from the left to a multiple of this (shorter ones skipped), so they batch
 MAX_CHAT_PROMPT = 256
 
 
@@ -40,8 +40,8 @@ def training_prompts(corpus: Path, tokenizer, per_domain: int, code_prompt_token
             else:
                 cut = text.index(CHAT_PROMPT_END) + len(CHAT_PROMPT_END)
                 ids = tokenizer.encode(text[:cut])[-MAX_CHAT_PROMPT:]
-                # keep a multiple of BUCKET tokens (cut from the left) so that prompts batch together
-                prompts.append((domain, ids[len(ids) % BUCKET :] if len(ids) >= BUCKET else ids))
+                if len(ids) >= BUCKET:  # keep a multiple of BUCKET tokens (cut from the left): prompts batch together
+                    prompts.append((domain, ids[len(ids) % BUCKET :]))
     return prompts
 
 
