@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dspark_runtime.errors import CheckpointError, ConfigError
+from dspark_runtime.errors import ConfigError, read_json_file
 
 SUPPORTED_ROPE = ("default", "linear")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -136,14 +135,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Qwen3Config":
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"no config.json in {path}")
-        try:
-            raw = json.loads(config_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_json_file(Path(path) / "config.json"))
 
     def with_dtype(self, dtype: str) -> "Qwen3Config":
         return replace(self, dtype=dtype)

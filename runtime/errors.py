@@ -1,5 +1,8 @@
 """The one exception hierarchy of DSpark: CLIs turn these into one clear line, never a traceback."""
 
+import json
+from pathlib import Path
+
 
 class DSparkError(Exception):
     """Base of every error DSpark raises on purpose."""
@@ -19,3 +22,16 @@ class TokenizerError(DSparkError):
 
 class MissingDependencyError(DSparkError):
     """An optional backend is not installed; the message names the extra that brings it."""
+
+
+def read_json_file(file: Path, error: type[DSparkError] = CheckpointError) -> dict:
+    """A JSON object from `file`, or `error` saying the file is missing or not valid JSON."""
+    if not file.is_file():
+        raise error(f"no {file.name} in {file.parent}")
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise error(f"{file} does not hold a JSON object")
+    return value

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dspark_runtime.errors import TokenizerError
+from dspark_runtime.errors import TokenizerError, read_json_file
 
 
 def _template_environment():  # jinja2 is imported only when a template is rendered
@@ -64,8 +64,8 @@ class ChatTokenizer:
             backend = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust library raises plain Exceptions
             raise TokenizerError(f"{tokenizer_file} is not a valid tokenizer file: {exc}") from None
-        config = _read_json(path / "tokenizer_config.json")
-        generation = _read_json(path / "generation_config.json")
+        config = _optional_json(path / "tokenizer_config.json")
+        generation = _optional_json(path / "generation_config.json")
 
         template = config.get("chat_template")
         if isinstance(template, list):  # several named templates: take the default one
@@ -121,10 +121,5 @@ class ChatTokenizer:
             raise TokenizerError(f"chat template failed: {exc}") from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON: {exc}") from None
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json_file(path, TokenizerError) if path.is_file() else {}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_export.config import Qwen3Config
-from dspark_runtime.errors import CheckpointError, ConfigError
+from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 
 DRAFTER_TYPES = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
@@ -81,11 +81,8 @@ class DrafterConfig:
     @classmethod
     def from_dir(cls, folder: str | Path) -> "DrafterConfig":
         file = Path(folder) / "config.json"
-        if not file.is_file():
-            raise CheckpointError(f"no drafter config.json in {folder}")
+        raw = read_json_file(file)
         try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-            raw["feature_layers"] = tuple(raw["feature_layers"])
-            return cls(**raw)
-        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            return cls(**(raw | {"feature_layers": tuple(raw["feature_layers"])}))
+        except (TypeError, KeyError) as exc:
             raise CheckpointError(f"{file} is not a DSpark drafter config: {exc}") from None
