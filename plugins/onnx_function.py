@@ -30,7 +30,7 @@ def varlen_attention_function() -> FunctionProto:
     q_shape, cache_shape = b.op("Shape", "q"), b.op("Shape", "k_cache")
     slots_n = b.op("Gather", cache_shape, ax0)
     q_heads, kv_heads = b.op("Gather", q_shape, ax1), b.op("Gather", cache_shape, ax1)
-    max_len, dim = b.op("Gather", cache_shape, ax2), b.op("Gather", cache_shape, b.const([3]))
+    dim = b.op("Gather", cache_shape, b.const([3]))
     group = b.op("Div", q_heads, kv_heads)
 
     # offset of each token inside its request = how many earlier tokens share its slot
@@ -58,10 +58,12 @@ def varlen_attention_function() -> FunctionProto:
     q32 = b.op("Cast", b.op("Transpose", q5, perm=[0, 2, 3, 1, 4]), to=TensorProto.FLOAT)
     scale = b.attribute_const("scale", "float")
 
-    # scores against the request's own cache rows: [S, Hkv, g, n, Lmax]
-    k_cache32 = b.op("Cast", b.op("Unsqueeze", "k_cache", ax2), to=TensorProto.FLOAT)  # [S, Hkv, 1, Lmax, D]
+    # scores against the request's own cache rows, read only up to the longest committed length: [S, Hkv, g, n, L]
+    live = b.op("ReduceMax", "cache_len", ax0, keepdims=1)  # [1]
+    k_live, v_live = (b.op("Slice", cache, ax0, live, ax2) for cache in ("k_cache", "v_cache"))
+    k_cache32 = b.op("Cast", b.op("Unsqueeze", k_live, ax2), to=TensorProto.FLOAT)  # [S, Hkv, 1, L, D]
     cache_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_cache32, perm=[0, 1, 2, 4, 3])), scale)
-    key_ids = b.op("Range", zero, b.op("Squeeze", max_len, ax0), one)
+    key_ids = b.op("Range", zero, b.op("Squeeze", live, ax0), one)
     cache_visible = b.op("Less", key_ids, b.op("Unsqueeze", "cache_len", last))  # [S, Lmax]
     cache_mask = b.op("Unsqueeze", cache_visible, b.const([1, 2, 3]))  # [S, 1, 1, 1, Lmax]
     neg = b.const(NEG, np.float32)
@@ -79,8 +81,8 @@ def varlen_attention_function() -> FunctionProto:
     new_scores = b.op("Where", new_mask, new_scores, neg)
 
     weights = b.op("Softmax", b.op("Concat", cache_scores, new_scores, axis=-1), axis=-1)
-    cache_weights, new_weights = b.op("Split", weights, b.op("Concat", max_len, n_max, axis=0), axis=-1, outputs=2)
-    v_cache32 = b.op("Cast", b.op("Unsqueeze", "v_cache", ax2), to=TensorProto.FLOAT)
+    cache_weights, new_weights = b.op("Split", weights, b.op("Concat", live, n_max, axis=0), axis=-1, outputs=2)
+    v_cache32 = b.op("Cast", b.op("Unsqueeze", v_live, ax2), to=TensorProto.FLOAT)
     v_new32 = b.op("Cast", b.op("Unsqueeze", b.op("Transpose", v_pad, perm=[0, 2, 1, 3]), ax2), to=TensorProto.FLOAT)
     attended = b.op("Add", b.op("MatMul", cache_weights, v_cache32), b.op("MatMul", new_weights, v_new32))
 

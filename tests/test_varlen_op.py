@@ -80,6 +80,7 @@ BATCHES = {
     "prefill-chunk-and-verify": [(0, 0, 7), (1, 12, 5), (3, 20, 1)],
     "verify-several": [(3, 5, 8), (0, 17, 8), (2, 1, 3), (1, 0, 1)],
     "interleaved": [(1, 3, 2), (0, 6, 3), (1, 5, 2)],  # slot 1's tokens come in two runs
+    "all-prefill": [(0, 0, 5), (2, 0, 3)],  # nothing cached anywhere yet
 }
 
 
