@@ -16,7 +16,6 @@ The block attends to its slot's cache, the new context of its slot, and itself (
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

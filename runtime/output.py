@@ -3,6 +3,7 @@ streamed text deltas that never split a UTF-8 character or show the start of a s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from dspark_runtime.sequence import Sequence
@@ -39,8 +40,6 @@ class OutputState:
                 s.finish_reason = "length"
                 break
         if tokens and s.stats.first_token is None:
-            import time
-
             s.stats.first_token = time.perf_counter()
         text = self.decode(self.visible)
         hold = 0

@@ -17,8 +17,7 @@ from tests.test_runtime import build_echo_engine  # noqa: E402
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    folder = build_echo_engine(tmp_path_factory.mktemp("chat"), context=2048)
-    (folder / "hardware_curve.json").write_text(json.dumps({"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}))
+    folder = build_echo_engine(tmp_path_factory.mktemp("chat"), context=2048, flat_curve=True)
     return folder
 
 

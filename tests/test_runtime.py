@@ -3,6 +3,7 @@ queueing and cancellation return every slot; bad requests fail alone; no torch i
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -136,11 +137,13 @@ def test_runtime_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64):
+def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64,
+                      flat_curve: bool = False):
     """Positive control: with every layer's output projection zeroed, target and drafter both map a token
     to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
     A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
-    `embedding_scale` sharpens both distributions (larger logits)."""
+    `embedding_scale` sharpens both distributions (larger logits); `flat_curve` writes a stand-in
+    hardware_curve.json so that loading skips profiling."""
     from safetensors.torch import load_file, save_file
 
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
@@ -164,8 +167,12 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
             if name == "markov_w2.weight":
                 param.normal_(0, markov_scale) if markov_scale else param.zero_()
     save_drafter(drafter, drafter_dir)
-    return build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
-                        show_progress=False)
+    engine_dir = build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
+                              show_progress=False)
+    if flat_curve:
+        curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
+        (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))
+    return engine_dir
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +191,6 @@ def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
 
 
 def test_bench_command(engine_dir, tmp_path):
-    import json
-
     from click.testing import CliRunner
 
     from dspark_runtime.cli import main
@@ -203,8 +208,6 @@ def test_bench_command(engine_dir, tmp_path):
 
 
 def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
-    import json
-
     from click.testing import CliRunner
 
     from dspark_runtime.cli import main
@@ -223,8 +226,6 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
 
 
 def test_calibrate_command(tmp_path_factory):
-    import json
-
     from click.testing import CliRunner
 
     from dspark_runtime.cli import main

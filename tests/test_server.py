@@ -22,8 +22,7 @@ from tests.test_runtime import build_echo_engine  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = build_echo_engine(tmp_path_factory.mktemp("serve"), context=1024)
-    (folder / "hardware_curve.json").write_text(json.dumps({"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}))
+    folder = build_echo_engine(tmp_path_factory.mktemp("serve"), context=1024, flat_curve=True)
     engine = Engine.load(folder, threads=1)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

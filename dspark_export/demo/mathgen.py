@@ -23,7 +23,7 @@ def _money(cents: int) -> str:
 
 
 def shopping(rng: random.Random) -> tuple[str, list[str], int]:
-    name, (one, many) = rng.choice(NAMES), rng.choice(ITEMS)
+    name, (_, many) = rng.choice(NAMES), rng.choice(ITEMS)
     count, price, paid_extra = rng.randint(2, 12), rng.randint(1, 9), rng.randint(1, 20)
     budget = count * price + paid_extra
     question = f"{name} buys {count} {many} at ${price} each and pays with ${budget}. How much change does {name} get?"
@@ -32,7 +32,7 @@ def shopping(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 def sharing(rng: random.Random) -> tuple[str, list[str], int]:
-    name, (one, many) = rng.choice(NAMES), rng.choice(ITEMS)
+    name, (_, many) = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each, left = rng.randint(2, 9), rng.randint(2, 15), rng.randint(0, 1)
     total = friends * each + left * rng.randint(1, friends - 1)
     share, remainder = divmod(total, friends)
@@ -91,7 +91,7 @@ def fractions(rng: random.Random) -> tuple[str, list[str], int]:
     whole, denominator = rng.randint(2, 20) * 12, rng.choice([2, 3, 4, 6, 12])
     numerator = rng.randint(1, denominator - 1)
     part = Fraction(numerator, denominator) * whole
-    name, (one, many) = rng.choice(NAMES), rng.choice(ITEMS)
+    name, (_, many) = rng.choice(NAMES), rng.choice(ITEMS)
     question = f"{name} had {whole} {many} and gave away {numerator}/{denominator} of them. How many are left?"
     steps = [f"{numerator}/{denominator} of {whole} is {whole} ÷ {denominator} × {numerator} = {part}.",
              f"Left: {whole} − {part} = {whole - part}."]
