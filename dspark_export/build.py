@@ -17,7 +17,7 @@ from dspark_export.onnx_drafter import build_drafter_onnx
 from dspark_export.onnx_target import build_target_onnx
 from dspark_export.presets import TargetSpec
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, write_manifest
-from dspark_runtime.errors import DSparkError, MissingDependencyError
+from dspark_runtime.errors import DSparkError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 BACKENDS = ("auto", "ort", "trt")
@@ -33,14 +33,11 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise DSparkError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend == "trt":
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            raise MissingDependencyError(
-                "--backend trt needs TensorRT and an NVIDIA GPU: pip install 'dspark[trt]' on a CUDA machine"
-            ) from None
-        raise DSparkError("TensorRT engine building is not implemented yet; build with --backend ort")
-    return "ort"
+        from dspark_export.trt_build import require_tensorrt
+
+        require_tensorrt()
+        return "trt"
+    return "ort"  # "auto": the runtime runs ONNX Runtime engines; TensorRT is asked for by name
 
 
 def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
@@ -80,6 +77,10 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
             max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
             eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers,
         )
+        if backend == "trt":
+            from dspark_export.trt_build import build_trt_engines
+
+            build_trt_engines(staging, manifest)
         write_manifest(staging, manifest)
         if out.exists():
             shutil.rmtree(out)

@@ -66,8 +66,10 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 @click.option("--anchors", type=click.IntRange(min=1), default=32, show_default=True, help="Anchor blocks per sequence.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--until", type=click.IntRange(min=1), default=None, help="Stop at this step (resume later with the same command).")
+@click.option("--save-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Precision of the written weights (the bundled drafters use bfloat16).")
 def train(target, target_path, drafter_type, head, layers, block, markov_rank, feature_layers, data, out, steps, batch,
-          anchors, lr, until) -> None:
+          anchors, lr, until, save_dtype) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
 
     \b
@@ -92,7 +94,7 @@ def train(target, target_path, drafter_type, head, layers, block, markov_rank, f
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
     train_drafter(drafter, model, Sequences.load(data), Path(out + ".run"), cfg, until=until)
     if until is None or until >= steps:
-        save_drafter(drafter, out)
+        save_drafter(drafter, out, save_dtype)
         click.echo(f"drafter written to {out}")
 
 

@@ -26,7 +26,7 @@ from dspark_export.checkpoint import Checkpoint, read_header, tensor_view
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.onnx_target import DecoderOps, GRAPH_FORMAT, rope_tables
 from dspark_export.onnx_weights import ExternalData, convert
-from dspark_plugins import opset_imports, varlen_attention_function, varlen_attention_node
+from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
 from dspark_plugins.builder import GraphBuilder
 from dspark_runtime.errors import CheckpointError
 

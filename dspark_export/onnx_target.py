@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.onnx_weights import ONNX_DTYPES, ExternalData, convert
-from dspark_plugins import opset_imports, varlen_attention_function, varlen_attention_node
+from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
 from dspark_plugins.builder import GraphBuilder
 
 GRAPH_FORMAT = 1

@@ -1,16 +1,10 @@
-"""The varlen-verification attention op: contract, numpy reference, ONNX function (GPU kernel and TensorRT plugin to come)."""
+"""The varlen-verification attention op `DSparkVarlenAttention`, one module a form:
 
-from dspark_plugins.contract import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
-from dspark_plugins.reference import varlen_attention
+- `contract`: inputs, attributes and the masking rule, in one place;
+- `reference`: the numpy reference;
+- `onnx_function`: the ONNX model-local function (standard-op body) and its call node;
+- `triton_varlen`: the GPU kernel (Triton), callable from torch;
+- `trt_plugin`: the TensorRT plugin around the kernel.
 
-__all__ = [
-    "DOMAIN",
-    "OP_TYPE",
-    "PLUGIN_NAMESPACE",
-    "PLUGIN_VERSION",
-    "opset_imports",
-    "varlen_attention",
-    "varlen_attention_function",
-    "varlen_attention_node",
-]
+Nothing is imported here, so each form loads only what it needs (the GPU check needs no onnx).
+"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 
 import onnx
 import onnxruntime as ort
@@ -103,3 +104,29 @@ def test_bad_inputs(tmp_path, target):
     assert result.exit_code != 0 and "corrupt" in result.output and not (tmp_path / "e4").exists()
     result = build("--target-path", str(target), "--backend", "trt", "--out", str(tmp_path / "e5"))
     assert result.exit_code != 0 and "[trt]" in result.output
+
+
+def test_tensorrt_profiles_cover_every_graph_input(tmp_path, target):
+    """The TensorRT path's optimization profile, derived from the manifest, for the real graphs (no GPU needed)."""
+    from dspark_export.trt_build import dimension_ranges, graph_inputs, profile_shapes
+
+    drafter = write_drafter(target, tmp_path / "drafter")
+    assert build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"),
+                 "--cache-slots", "4", "--max-context", "96", "--max-batch-tokens", "64").exit_code == 0
+    manifest = read_manifest(tmp_path / "engine")
+    ranges = dimension_ranges(manifest)
+    assert ranges["T"] == (1, 16, 64) and ranges["R"] == (1, 4, 4) and ranges["Lmax"] == (96, 96, 96)
+    target_shapes = profile_shapes(graph_inputs(tmp_path / "engine" / "target.onnx"), ranges)
+    assert target_shapes["input_ids"] == ((1,), (16,), (64,))
+    assert target_shapes["past_key_0"] == ((4, 1, 96, 16),) * 3  # fixed cache: S, Hkv, Lmax, D
+    drafter_shapes = profile_shapes(graph_inputs(tmp_path / "engine" / "drafter.onnx"), ranges)
+    assert drafter_shapes["noise"] == ((1, 3), (4, 3), (4, 3)) and drafter_shapes["context_features"][2][0] == 64
+    with pytest.raises(Exception, match="dimension 'T'"):
+        profile_shapes([("x", ["T"])], {})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_tensorrt_backend_without_tensorrt_names_the_extra(tmp_path, target):
+    result = build("--target-path", str(target), "--out", str(tmp_path / "engine"), "--backend", "trt")
+    assert result.exit_code != 0 and "pip install 'dspark[trt]'" in result.output and "GPU" in result.output
+    assert not (tmp_path / "engine").exists()

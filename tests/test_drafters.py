@@ -199,3 +199,27 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(target):
 
     generation = speculative_generate(target, Oracle(), [5, 9, 11], max_new=15, temperature=0.0, seed=0, draft_fn=oracle_draft)
     assert [r.accepted for r in generation.rounds] == [4, 4, 4]
+
+
+def test_eagle3_training_unroll_sees_what_drafting_sees(target):
+    """The unrolled training chain at entry t, teacher-forced with the drafter's own greedy drafts, gives the
+    drafting distributions; unrolling only some entries gives the same logits as unrolling all."""
+    from dspark_export.drafters.eagle3 import eagle3_draft
+    from dspark_export.drafters.train import target_pass
+
+    torch.manual_seed(2)
+    drafter = build_drafter(drafter_config("eagle3")).eval()
+    attach_target(drafter, target)
+    committed = torch.tensor([[5, 9, 11, 4, 20, 7, 13]])
+    anchor = committed.shape[1] - 1
+    with torch.no_grad():
+        features, _ = target_pass(target, committed, drafter.config.feature_layers)
+        draft = eagle3_draft(drafter, committed, features[:, :anchor], 1.0, torch.rand(1, 4))
+        tokens = torch.cat([committed, draft.tokens], 1)
+        features, _ = target_pass(target, tokens, drafter.config.feature_layers)
+        every = drafter.unroll(tokens, features, 4)
+        some = drafter.unroll(tokens, features, 4, torch.tensor([[anchor - 1, 2]]))
+    for step in range(4):
+        assert torch.allclose(torch.softmax(every[step][0, anchor - 1], -1), draft.probs[0, step], atol=1e-5), step
+        assert torch.allclose(some[step][0, 0], every[step][0, anchor - 1], atol=1e-5)
+        assert torch.allclose(some[step][0, 1], every[step][0, 2], atol=1e-5)

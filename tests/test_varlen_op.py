@@ -9,7 +9,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from dspark_plugins import opset_imports, varlen_attention, varlen_attention_function, varlen_attention_node
+from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
+from dspark_plugins.reference import varlen_attention
 from dspark_plugins.contract import INPUTS
 
 HQ, HKV, D, S, LMAX = 6, 2, 16, 4, 24

@@ -63,55 +63,66 @@ class Eagle3Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Training-time test over a whole sequence: tokens [B, T], features [B, T, m·H] -> per step logits [B, T, V].
+    def attend(self, q, k0, v0, visible, chain_k, chain_v) -> torch.Tensor:
+        """q [B, Hq, S, D] over the step-0 keys k0/v0 [B, Hq, T, D] where `visible` [B, 1, S, T], plus each query's
+        own chain entries chain_k/chain_v (lists of [B, Hq, S, D]) -> attended [B, Hq, S, D]."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))]
+        scores += [(q * k).sum(-1, keepdim=True) * scale for k in chain_k]
+        weights = torch.softmax(torch.cat(scores, -1), -1)
+        length = k0.shape[-2]
+        attended = weights[..., :length] @ v0
+        for j, v in enumerate(chain_v):
+            attended = attended + weights[..., length + j : length + j + 1] * v
+        return attended
 
-        Step i at entry t uses token x_{t+i+1} (zero-padded past the end) and predicts x_{t+i+2}.
+    def unroll(self, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+               entries: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training-time test: tokens [B, T], features [B, T, m·H], entries [B, S] (default: all T) -> per step
+        logits [B, S, V]. Step i at entry t uses token x_{t+i+1} (zero-padded past the end) and predicts x_{t+i+2}.
+
+        Every entry's step-0 keys are computed; the unrolled chain (and the LM head) only at `entries`.
         """
         batch, length = tokens.shape
+        entries = torch.arange(length).expand(batch, length) if entries is None else entries
         padded = F.pad(tokens, (0, steps + 1))
-        positions = torch.arange(length).expand(batch, length)
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        hidden = self.fc(features)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        keys, values, outputs = [], [], []
+        context = self.fc(features)
+        _, k0, v0 = self.project(padded[:, 1 : length + 1], context, torch.arange(length).expand(batch, length))
+        visible = (torch.arange(length)[None, :] <= entries[..., None])[:, None]  # [B, 1, S, T]
+        hidden = torch.gather(context, 1, entries[..., None].expand(-1, -1, context.shape[-1]))
+        chain_k, chain_v, outputs = [], [], []
         for step in range(steps):
-            q, k, v = self.project(padded[:, step + 1 : step + 1 + length], hidden, positions + step)
-            keys.append(k)
-            values.append(v)
-            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-            scores += [(q * keys[j]).sum(-1, keepdim=True) * scale for j in range(1, step + 1)]
-            weights = torch.softmax(torch.cat(scores, -1), -1)
-            attended = weights[..., :length] @ values[0]
-            for j in range(1, step + 1):
-                attended = attended + weights[..., length + j - 1 : length + j] * values[j]
-            hidden = self.finish(attended, hidden)
+            q, k, v = self.project(torch.gather(padded, 1, entries + step + 1), hidden, entries + step)
+            if step:
+                chain_k.append(k)
+                chain_v.append(v)
+            hidden = self.finish(self.attend(q, k0, v0, visible, chain_k, chain_v), hidden)
             outputs.append(self.logits(hidden))
         return outputs
 
 
 def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, lengths: torch.Tensor,
-                supervised_from: torch.Tensor, decay: float = 0.8) -> dict[str, torch.Tensor]:
+                supervised_from: torch.Tensor, entries: torch.Tensor | None = None, decay: float = 0.8) -> dict[str, torch.Tensor]:
     """Soft cross-entropy against the target's distribution per unrolled step, weighted decay^i.
 
     Step i at entry t predicts x_{t+i+2}, whose target distribution is target_logits[:, t+i+1].
     """
-    batch, length, _ = target_logits.shape
-    entries = torch.arange(length)
+    from dspark_export.drafters.losses import expected_tau
+
+    batch, length, vocab = target_logits.shape
+    entries = torch.arange(length).expand(batch, length) if entries is None else entries
     total = target_logits.new_zeros(())
     tvs, valids = [], []
     for step, logits in enumerate(step_logits):
         label = entries + step + 2
-        valid = (label[None] < lengths[:, None]) & (label[None] >= supervised_from[:, None])  # [B, T]
+        valid = (label < lengths[:, None]) & (label >= supervised_from[:, None])  # [B, S]
         source = (entries + step + 1).clamp(max=length - 1)
-        target = torch.softmax(target_logits[:, source].float(), -1)
+        target = torch.softmax(torch.gather(target_logits, 1, source[..., None].expand(-1, -1, vocab)).float(), -1)
         log_draft = torch.log_softmax(logits.float(), -1)
         soft_ce = -(target * log_draft).sum(-1)
         total = total + decay**step * (soft_ce * valid).sum() / valid.sum().clamp(min=1)
         tvs.append(0.5 * (log_draft.exp() - target).abs().sum(-1).detach())
         valids.append(valid)
-    from dspark_export.drafters.losses import expected_tau
-
     valid = torch.stack(valids, -1).cumprod(-1).bool()
     return {"total": total, "tau": expected_tau(torch.stack(tvs, -1), valid)}
 
@@ -126,9 +137,9 @@ def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torc
     length = features.shape[1]
     hidden = drafter.fc(features)
     q, k0, v0 = drafter.project(committed[:, 1 : length + 1], hidden, torch.arange(length)[None])
-    scale = 1.0 / math.sqrt(drafter.head_dim)
+    everything = torch.ones(1, 1, 1, length, dtype=torch.bool)
     # step 0 of the last entry sees every step-0 entry
-    out = drafter.finish(torch.softmax(q[:, :, -1:] @ k0.transpose(-1, -2) * scale, -1) @ v0, hidden[:, -1:])
+    out = drafter.finish(drafter.attend(q[:, :, -1:], k0, v0, everything, [], []), hidden[:, -1:])
     chain_k, chain_v, tokens, probs = [], [], [], []
     for step in range(drafter.config.block):
         token, prob = pick(drafter.logits(out)[:, -1], temperature, None if noise is None else noise[:, step])
@@ -139,11 +150,6 @@ def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torc
         q, k, v = drafter.project(token[:, None], out, torch.tensor([[length + step]]))
         chain_k.append(k)
         chain_v.append(v)
-        scores = torch.cat([q @ k0.transpose(-1, -2)] + [(q * kj).sum(-1, keepdim=True) for kj in chain_k], -1) * scale
-        weights = torch.softmax(scores, -1)
-        attended = weights[..., :length] @ v0
-        for j, vj in enumerate(chain_v):
-            attended = attended + weights[..., length + j : length + j + 1] * vj
-        out = drafter.finish(attended, out)
+        out = drafter.finish(drafter.attend(q, k0, v0, everything, chain_k, chain_v), out)
     tokens = torch.stack(tokens, 1)
     return Draft(tokens, torch.stack(probs, 1), torch.ones(tokens.shape, dtype=features.dtype))

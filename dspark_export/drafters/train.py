@@ -2,7 +2,7 @@
 
 Each step: a batch of self-distillation sequences -> one target forward (features of the chosen layers
 and the target's logits) -> the drafter's loss over many anchor blocks per sequence (DSpark, DFlash)
-or over the unrolled steps (EAGLE-3) -> AdamW. Resumable from the run folder.
+or over the unrolled steps at the same anchors (EAGLE-3) -> AdamW. Resumable from the run folder.
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, targ
 def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator) -> dict:
     features, target_logits = target_pass(target, tokens, drafter.config.feature_layers)
     if drafter.config.drafter_type == "eagle3":
-        return eagle3_loss(drafter.unroll(tokens, features, drafter.config.block), target_logits, lengths, supervised_from)
+        # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
+        entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
+        step_logits = drafter.unroll(tokens, features, drafter.config.block, entries)
+        return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries)
     return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
 
 

@@ -1,0 +1,92 @@
+"""TensorRT engines beside the ONNX graphs of an engine directory, built through Polygraphy's API.
+
+The ONNX graphs already carry their precision (TensorRT 11 networks are strongly typed), and their
+attention call nodes carry `plugin_namespace`/`plugin_version`, so the parser takes the registered
+`DSparkVarlenAttention` plugin instead of inlining the function body. One optimization profile per
+graph comes from the manifest: the symbolic token and request dimensions range over what the runtime
+can send, while the cache dimensions are fixed. Status: the profile and graph preparation are tested;
+the engine build itself needs TensorRT and a GPU and has not been run on any machine here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
+from dspark_runtime.errors import DSparkError, MissingDependencyError
+
+Shape = tuple[int, ...]
+
+
+def dimension_ranges(manifest: Manifest) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of every symbolic dimension the graphs use. `opt` is one verification step of
+    every slot (γ + 1 tokens each), the load the engine is tuned for."""
+    tokens, slots = manifest.max_batch_tokens, manifest.cache_slots
+    step = min(tokens, slots * (manifest.block + 1))
+    return {
+        "T": (1, step, tokens),  # target: flattened new tokens
+        "N": (1, step, tokens),  # target: rows that want logits
+        "C": (1, step, tokens),  # drafter: context tokens whose features enter the drafter cache
+        "R": (1, slots, slots),  # drafter: requests drafted in one call
+        "S": (slots, slots, slots),
+        "Lmax": (manifest.max_context,) * 3,
+    }
+
+
+def graph_inputs(graph_file: str | Path) -> list[tuple[str, list[int | str]]]:
+    """Each input's name and dimensions (ints or symbols), read without loading the weights."""
+    model = onnx.load(str(graph_file), load_external_data=False)
+    inputs = []
+    for value in model.graph.input:
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value.type.tensor_type.shape.dim]
+        inputs.append((value.name, dims))
+    return inputs
+
+
+def profile_shapes(inputs: list[tuple[str, list[int | str]]], ranges: dict[str, tuple[int, int, int]]
+                   ) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """Input name -> (min, opt, max) shapes."""
+    shapes = {}
+    for name, dims in inputs:
+        unknown = [d for d in dims if isinstance(d, str) and d not in ranges]
+        if unknown:
+            raise DSparkError(f"input {name!r} has dimension {unknown[0]!r}, which the TensorRT profile does not know")
+        shapes[name] = tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in dims) for i in range(3))
+    return shapes
+
+
+def require_tensorrt() -> None:
+    try:
+        import polygraphy  # noqa: F401
+        import tensorrt  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(
+            "--backend trt needs TensorRT and an NVIDIA GPU: pip install 'dspark[trt]' on a CUDA machine"
+        ) from None
+
+
+def build_trt_engines(folder: Path, manifest: Manifest) -> list[Path]:
+    """Build `<graph>.engine` for each ONNX graph in `folder`; returns the engine files."""
+    require_tensorrt()
+    from polygraphy.backend.trt import CreateConfig, EngineFromNetwork, NetworkFromOnnxPath, Profile, SaveEngine
+
+    from dspark_plugins.trt_plugin import register_plugin
+
+    register_plugin()
+    ranges = dimension_ranges(manifest)
+    engines = []
+    for name in (TARGET_GRAPH, DRAFTER_GRAPH):
+        graph = folder / name
+        if not graph.is_file():
+            continue
+        profile = Profile()
+        for input_name, (low, opt, high) in profile_shapes(graph_inputs(graph), ranges).items():
+            profile.add(input_name, low, opt, high)
+        network = NetworkFromOnnxPath(str(graph), strongly_typed=True)
+        engine = EngineFromNetwork(network, config=CreateConfig(profiles=[profile]))
+        engine_file = graph.with_suffix(".engine")
+        SaveEngine(engine, str(engine_file))()
+        engines.append(engine_file)
+    return engines
