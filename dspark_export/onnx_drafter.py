@@ -11,12 +11,14 @@ Outputs
     confidence_logits [R, γ] (DSpark only; σ of it is the conditional acceptance probability)
     new_key_i / new_value_i [C, Hkv, D]                           context K/V to commit at (slot, pos)
 The block attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
-`DSparkVarlenAttention` call in block mode over [context tokens; block tokens].
+`DSparkVarlenAttention` call in block mode over [context tokens; block tokens]. The EAGLE-3 baseline's
+graph (`onnx_eagle3`) shares the weight streaming, the sampler and this interface.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -35,13 +37,33 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     """Write the drafter graph (float32) and its external data; returns the graph path."""
     config = DrafterConfig.from_dir(drafter_dir)
     config.check_target(target.config, None)
-    if config.drafter_type == "eagle3":
-        raise CheckpointError("the EAGLE-3 baseline has no drafter.onnx yet: its step graph is still to be built")
-    tensors = read_header(Path(drafter_dir) / "model.safetensors")
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
     store = ExternalData(graph_file)
     initializers: dict[str, TensorProto] = {}
+    b = GraphBuilder()
+    ops = DecoderOps(b, drafter_weights(drafter_dir, target, store, initializers), target.config.rms_norm_eps, TensorProto.FLOAT)
+    if config.drafter_type == "eagle3":
+        from dspark_export.onnx_eagle3 import eagle3_body
+
+        inputs, outputs = eagle3_body(b, ops, config)
+    else:
+        inputs, outputs = block_body(b, ops, config)
+    store.close()
+    graph = helper.make_graph(b.nodes, "dspark_drafter", inputs, outputs, initializer=list(initializers.values()))
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()],
+                              producer_name="dspark-export")
+    helper.set_model_props(model, {"dspark_graph": "drafter", "dspark_graph_format": str(GRAPH_FORMAT),
+                                   "drafter_config": config.to_json()})
+    onnx.save_model(model, str(graph_file))
+    return graph_file
+
+
+def drafter_weights(drafter_dir: str | Path, target: Checkpoint, store: ExternalData,
+                    initializers: dict[str, TensorProto]) -> Callable[[str], str]:
+    """A `weight(name)` that streams a drafter tensor (or the frozen embedding / LM head from the target)
+    into `store` on first use, as float32."""
+    tensors = read_header(Path(drafter_dir) / "model.safetensors")
 
     def weight(name: str) -> str:
         if name not in initializers:
@@ -54,9 +76,13 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
             initializers[name] = store.add(name, convert(array, stored, "float32"), "float32")
         return name
 
-    t = target.config
-    b = GraphBuilder()
-    ops = DecoderOps(b, weight, t.rms_norm_eps, TensorProto.FLOAT)
+    return weight
+
+
+def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple[list, list]:
+    """The DSpark / DFlash graph body; returns (inputs, outputs) value infos."""
+    t = config.target_config
+    weight = ops.weight
     hq, hkv, d, block, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block, t.vocab_size
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
@@ -116,23 +142,38 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", block]),
                helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", block, vocab])] + (
         [helper.make_tensor_value_info("confidence_logits", TensorProto.FLOAT, ["R", block])] if config.confidence else []) + outputs
-    store.close()
-    graph = helper.make_graph(b.nodes, "dspark_drafter", inputs, outputs, initializer=list(initializers.values()))
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()],
-                              producer_name="dspark-export")
-    helper.set_model_props(model, {"dspark_graph": "drafter", "dspark_graph_format": str(GRAPH_FORMAT),
-                                   "drafter_config": config.to_json()})
-    onnx.save_model(model, str(graph_file))
-    return graph_file
+    return inputs, outputs
+
+
+class Sampler:
+    """Per-request draft sampling in the graph: inverse CDF of softmax(logits / T) from one uniform of
+    `noise` per draft, the argmax where T = 0; the distribution drawn from is returned with the token."""
+
+    def __init__(self, b: GraphBuilder, vocab: int):
+        self.b, self.vocab = b, vocab
+        temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
+        self.sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
+        self.sampling_row = b.op("Squeeze", self.sampling, b.const([1]))  # [R]
+        self.safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
+        self.one_hot_values = b.const([0.0, 1.0], np.float32)
+
+    def pick(self, logits: str, k: int) -> tuple[str, str]:
+        """logits [R, V] of draft k -> (token [R], distribution [R, 1, V])."""
+        b, vocab = self.b, self.vocab
+        softmax = b.op("Softmax", b.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
+        cdf = b.op("CumSum", softmax, b.const(-1))
+        threshold = b.op("Mul", b.op("Gather", "noise", b.const([k]), axis=1), b.op("Gather", cdf, b.const([vocab - 1]), axis=1))
+        below = b.op("ReduceSum", b.op("Cast", b.op("Less", cdf, threshold), to=TensorProto.INT64), b.const([-1]), keepdims=0)
+        sampled = b.op("Min", below, b.const(vocab - 1))  # inverse CDF: first token whose cumulative mass passes u
+        greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
+        token = b.op("Where", self.sampling_row, sampled, greedy)
+        one_hot = b.op("OneHot", greedy, b.const([vocab]), self.one_hot_values, axis=-1)
+        return token, b.op("Unsqueeze", b.op("Where", self.sampling, softmax, one_hot), b.const([1]))
 
 
 def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
     """Unrolled γ steps: bias from the previous token, inverse-CDF sampling from one uniform, confidence logits."""
-    temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
-    sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
-    sampling_row = b.op("Squeeze", sampling, b.const([1]))  # [R]
-    safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
-    one_hot_values = b.const([0.0, 1.0], np.float32)
+    sampler = Sampler(b, vocab)
     previous, state = "anchor_ids", None
     tokens, probs, confidences = [], [], []
     for k in range(config.block):
@@ -156,15 +197,8 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
             if config.confidence:
                 confidences.append(b.op("Gemm", b.op("Concat", h_k, code, axis=-1), ops.weight("confidence_head.weight"),
                                         ops.weight("confidence_head.bias"), transB=1))  # [R, 1]
-        softmax = b.op("Softmax", b.op("Div", logits, safe_t), axis=-1)  # [R, V]
-        cdf = b.op("CumSum", softmax, b.const(-1))
-        threshold = b.op("Mul", b.op("Gather", "noise", index, axis=1), b.op("Gather", cdf, b.const([vocab - 1]), axis=1))
-        below = b.op("ReduceSum", b.op("Cast", b.op("Less", cdf, threshold), to=TensorProto.INT64), b.const([-1]), keepdims=0)
-        sampled = b.op("Min", below, b.const(vocab - 1))  # inverse CDF: first token whose cumulative mass passes u
-        greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
-        token = b.op("Where", sampling_row, sampled, greedy)
-        one_hot = b.op("OneHot", greedy, b.const([vocab]), one_hot_values, axis=-1)
-        probs.append(b.op("Unsqueeze", b.op("Where", sampling, softmax, one_hot), b.const([1])))
+        token, prob = sampler.pick(logits, k)
+        probs.append(prob)
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         previous = token
     b.op("Concat", *tokens, axis=1, name="draft_tokens")

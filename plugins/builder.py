@@ -17,27 +17,28 @@ class GraphBuilder:
         self.initializers: list[TensorProto] = []
         self._count = 0
 
-    def _name(self, hint: str) -> str:
+    def name(self, hint: str) -> str:
+        """A fresh value name."""
         self._count += 1
         return f"{self.prefix}{hint}_{self._count}"
 
     def op(self, op_type: str, *inputs: str, name: str | None = None, outputs: int = 1, domain: str = "",
            **attributes: Any) -> str | list[str]:
         """Append a node; returns its output name (or names when `outputs` > 1). `name` fixes the output name."""
-        names = [name] if name and outputs == 1 else [self._name(op_type.lower()) for _ in range(outputs)]
+        names = [name] if name and outputs == 1 else [self.name(op_type.lower()) for _ in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain or None, **attributes))
         return names[0] if outputs == 1 else names
 
     def const(self, value: Any, dtype: type = np.int64, name: str | None = None) -> str:
         """A Constant node holding `value` (a scalar stays a scalar)."""
         array = np.asarray(value, dtype=dtype)
-        output = name or self._name("const")
+        output = name or self.name("const")
         self.nodes.append(helper.make_node("Constant", [], [output], value=numpy_helper.from_array(array, output)))
         return output
 
     def attribute_const(self, attribute: str, kind: str) -> str:
         """A Constant taking its value from the enclosing function's attribute (`kind`: "int" or "float")."""
-        output = self._name(attribute)
+        output = self.name(attribute)
         node = helper.make_node("Constant", [], [output])
         attr_type = AttributeProto.INT if kind == "int" else AttributeProto.FLOAT
         node.attribute.append(helper.make_attribute_ref(f"value_{kind}", attr_type))
@@ -46,6 +47,6 @@ class GraphBuilder:
         return output
 
     def initializer(self, array: np.ndarray, hint: str) -> str:
-        name = self._name(hint)
+        name = self.name(hint)
         self.initializers.append(numpy_helper.from_array(array, name))
         return name

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
 from dspark_export.drafters.block import block_draft  # noqa: E402
+from dspark_export.drafters.eagle3 import eagle3_draft  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
@@ -45,26 +46,31 @@ def make_drafter(tmp_path, kind, head):
     return drafter.eval(), ort.InferenceSession(str(graph), options), config
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")])
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8, 0.8), (1.3, 0.0)])
 def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
     drafter, session, config = make_drafter(tmp_path, kind, head)
+    draft = eagle3_draft if kind == "eagle3" else block_draft
+    layers = 1 if kind == "eagle3" else 2
     rng = np.random.default_rng(1)
     features_dim = 2 * config.hidden_size
     shape = (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
-    caches = [[np.zeros(shape, np.float32), np.zeros(shape, np.float32)] for _ in range(2)]
+    caches = [[np.zeros(shape, np.float32), np.zeros(shape, np.float32)] for _ in range(layers)]
     # request 0 in slot 2 and request 1 in slot 0; full histories of target features and tokens
-    history = {2: rng.standard_normal((12, features_dim)).astype(np.float32), 0: rng.standard_normal((7, features_dim)).astype(np.float32)}
-    tokens = {2: rng.integers(4, config.vocab_size, 13), 0: rng.integers(4, config.vocab_size, 8)}
+    history = {2: rng.standard_normal((12, features_dim)).astype(np.float32), 0: rng.standard_normal((9, features_dim)).astype(np.float32)}
+    tokens = {2: rng.integers(4, config.vocab_size, 13), 0: rng.integers(4, config.vocab_size, 10)}
     committed = {2: 0, 0: 0}
     names = [o.name for o in session.get_outputs()]
-    for length_now in ({2: 5, 0: 7}, {2: 12, 0: 7}):  # two steps: slot 2's context grows in the second
+    # two steps: slot 2's context grows in the second; slot 0's only for EAGLE-3, whose newest entry must be new
+    for length_now in ({2: 5, 0: 7}, {2: 12, 0: 9 if kind == "eagle3" else 7}):
         slots = [2, 0]
         new = {s: range(committed[s], length_now[s]) for s in slots}
         feeds = {
             "context_features": np.concatenate([history[s][list(new[s])] for s in slots]).reshape(-1, features_dim),
             "context_slot": np.concatenate([[s] * len(new[s]) for s in slots]).astype(np.int64),
             "context_pos": np.concatenate([list(new[s]) for s in slots]).astype(np.int64),
+            "context_ids": np.concatenate([tokens[s][[p + 1 for p in new[s]]] for s in slots]).astype(np.int64),
+            "context_last": np.cumsum([len(new[s]) for s in slots]) - 1,
             "anchor_ids": np.array([tokens[s][length_now[s]] for s in slots], dtype=np.int64),
             "anchor_pos": np.array([length_now[s] for s in slots], dtype=np.int64),
             "request_slot": np.array(slots, dtype=np.int64),
@@ -72,12 +78,13 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
             "noise": rng.uniform(1e-6, 1 - 1e-6, (2, BLOCK)).astype(np.float32),
             "temperature": np.array(temperatures, dtype=np.float32),
         }
-        for layer in range(2):
+        for layer in range(layers):
             feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = caches[layer]
-        out = dict(zip(names, session.run(None, feeds)))
+        inputs = {i.name for i in session.get_inputs()}
+        out = dict(zip(names, session.run(None, {k: v for k, v in feeds.items() if k in inputs})))
         for row, s in enumerate(slots):
             with torch.no_grad():
-                expected = block_draft(drafter, torch.from_numpy(tokens[s][None, : length_now[s] + 1]),
+                expected = draft(drafter, torch.from_numpy(tokens[s][None, : length_now[s] + 1]),
                                        torch.from_numpy(history[s][None, : length_now[s]]), temperatures[row],
                                        torch.from_numpy(feeds["noise"][row : row + 1]))
             assert out["draft_tokens"][row].tolist() == expected.tokens[0].tolist()
@@ -85,7 +92,7 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
             if kind == "dspark":
                 confidence = 1 / (1 + np.exp(-out["confidence_logits"][row]))
                 assert np.abs(confidence - expected.confidence[0].numpy()).max() <= 1e-5
-        for layer in range(2):  # commit the context K/V like the runtime does
+        for layer in range(layers):  # commit the context K/V like the runtime does
             caches[layer][0][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_key_{layer}"]
             caches[layer][1][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_value_{layer}"]
         committed = dict(length_now)

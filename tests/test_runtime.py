@@ -246,3 +246,17 @@ def test_a_full_context_finishes_with_length(engine):
     assert result.finish_reason == "length"
     # 64 positions hold K/V; the last token sampled from position 63 is still emitted
     assert result.prompt_tokens + len(result.token_ids) == 65
+
+
+def test_eagle3_engine_is_lossless_batched(tmp_path):
+    """The EAGLE-3 baseline's step graph runs in the same loop (its entries pair features with next tokens)."""
+    target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)
+    train_tokenizer(TEXT, target, vocab_size=300)
+    drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, block=3)
+    folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "eagle3", cache_slots=4,
+                          max_batch_tokens=32, show_progress=False)
+    with Engine.load(folder, threads=1, profile=False) as engine:
+        plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS[:3]]
+        handles = [engine.submit(p, GREEDY, spec="fixed:3") for p in PROMPTS[:3]]
+        fast = [h.result() for h in handles]
+    assert [f.token_ids for f in fast] == plain

@@ -49,6 +49,8 @@ class DrafterConfig:
             raise ConfigError(f"unknown sequential head {self.head!r} (known: {', '.join(HEADS)})")
         if self.block < 1 or self.num_layers < 1:
             raise ConfigError("block and num_layers must be at least 1")
+        if self.drafter_type == "eagle3" and self.num_layers != 1:
+            raise ConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers 1)")
         depth = self.target["num_hidden_layers"]
         bad = [layer for layer in self.feature_layers if not 0 <= layer < depth - 1]
         if bad or not self.feature_layers:

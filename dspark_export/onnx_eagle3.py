@@ -1,0 +1,89 @@
+"""The EAGLE-3 baseline's `drafter.onnx` body: its whole autoregressive draft loop, unrolled γ steps in one graph.
+
+Inputs (besides those of the block drafters, see `onnx_drafter`)
+    context_ids [C]    the token after each context position t (entry t holds x_{t+1} and the features of t)
+    context_last [R]   index in C of each request's newest entry, t = anchor_pos - 1 (every request brings at
+                       least one new entry; the runtime's steps commit at least one token per request)
+Entry t's step-0 key/value (position t) is what the drafter caches. Step 0 of the newest entry attends to its
+slot's cache and new entries; chain step i (position anchor_pos - 1 + i) attends to the same plus the
+request's own chain, exactly as `Eagle3Drafter.unroll` trains and `eagle3_draft` drafts: each step is one
+causal `DSparkVarlenAttention` call over [context entries; chain entries so far].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from dspark_export.drafters.config import DrafterConfig
+from dspark_export.onnx_drafter import Sampler
+from dspark_export.onnx_target import DecoderOps, rope_tables
+from dspark_plugins.builder import GraphBuilder
+from dspark_plugins.onnx_function import varlen_attention_node
+
+
+def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple[list, list]:
+    """Build the graph into `b`; returns (inputs, outputs) value infos."""
+    t = config.target_config
+    hq, hkv, d, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.vocab_size
+    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+
+    def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
+        x = b.op("Concat", ops.rms_norm(b.op("Gather", ops.weight("embed_tokens.weight"), token_ids), "embed_norm.weight"),
+                 ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
+        cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
+        q = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(x, "q_proj.weight"), q_shape), "q_norm.weight"), cos, sin)
+        k = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(x, "k_proj.weight"), kv_shape), "k_norm.weight"), cos, sin)
+        return q, k, b.op("Reshape", ops.linear(x, "v_proj.weight"), kv_shape)
+
+    def finish(attended: str, residual: str) -> str:
+        x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), "o_proj.weight"))
+        h = ops.rms_norm(x, "post_attention_layernorm.weight")
+        gate = ops.linear(h, "mlp.gate_proj.weight")
+        act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), ops.linear(h, "mlp.up_proj.weight"))
+        return b.op("Add", x, ops.linear(act, "mlp.down_proj.weight"))
+
+    def attend(query: str, keys: list[str], values: list[str], slots: list[str], positions: list[str]) -> str:
+        """Causal varlen attention of `query` (the newest rows) over [context entries; chain so far]."""
+        cat = lambda parts: parts[0] if len(parts) == 1 else b.op("Concat", *parts, axis=0)  # noqa: E731
+        earlier = b.op("Sub", b.op("Shape", cat(keys), start=0, end=1), b.op("Shape", query, start=0, end=1))
+        pad = b.op("ConstantOfShape", b.op("Concat", earlier, b.const([hq, d]), axis=0),
+                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+        out = b.name("attention")
+        b.nodes.append(varlen_attention_node([b.op("Concat", pad, query, axis=0), cat(keys), cat(values), "past_key_0",
+                                              "past_value_0", cat(slots), cat(positions), "cache_len"], out, d))
+        return b.op("Slice", out, earlier, b.const([np.iinfo(np.int64).max]), b.const([0]))
+
+    context = ops.linear("context_features", "fc.weight")  # [C, H]
+    q0, k0, v0 = project("context_ids", context, "context_pos")
+    b.op("Identity", k0, name="new_key_0")
+    b.op("Identity", v0, name="new_value_0")
+    keys, values, slots, positions = [k0], [v0], ["context_slot"], ["context_pos"]
+    entries = finish(attend(q0, keys, values, slots, positions), context)  # step 0 of every new entry
+    hidden = b.op("Gather", entries, "context_last", axis=0)  # [R, H]: the newest entry of each request
+    sampler = Sampler(b, vocab)
+    tokens, probs = [], []
+    for step in range(config.block):
+        token, prob = sampler.pick(ops.linear(ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
+        tokens.append(b.op("Unsqueeze", token, b.const([1])))
+        probs.append(prob)
+        if step == config.block - 1:
+            break
+        pos = b.op("Add", "anchor_pos", b.const(step))  # entry a-1, chain step `step + 1`
+        q, k, v = project(token, hidden, pos)
+        keys, values, slots, positions = keys + [k], values + [v], slots + ["request_slot"], positions + [pos]
+        hidden = finish(attend(q, keys, values, slots, positions), hidden)
+    b.op("Concat", *tokens, axis=1, name="draft_tokens")
+    b.op("Concat", *probs, axis=1, name="draft_probs")
+
+    inputs = [helper.make_tensor_value_info("context_features", TensorProto.FLOAT, ["C", t.hidden_size * len(config.feature_layers)])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.INT64, [s]) for n, s in [
+        ("context_ids", "C"), ("context_slot", "C"), ("context_pos", "C"), ("context_last", "R"), ("anchor_pos", "R"),
+        ("request_slot", "R"), ("cache_len", "S")]]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", hkv, "Lmax", d]) for n in ("past_key_0", "past_value_0")]
+    inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", config.block]),
+               helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", config.block]),
+               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.block, vocab])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["C", hkv, d]) for n in ("new_key_0", "new_value_0")]
+    return inputs, outputs
