@@ -42,7 +42,8 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     store = ExternalData(graph_file)
     initializers: dict[str, TensorProto] = {}
     b = GraphBuilder()
-    ops = DecoderOps(b, drafter_weights(drafter_dir, target, store, initializers), target.config.rms_norm_eps, TensorProto.FLOAT)
+    ops = DecoderOps(b, drafter_weights(drafter_dir, target, store, initializers), target.config.rms_norm_eps, TensorProto.FLOAT,
+                     target.config.head_dim)
     if config.drafter_type == "eagle3":
         from dspark_export.onnx_eagle3 import eagle3_body
 

@@ -30,14 +30,15 @@ GRAPH_FORMAT = 1
 class DecoderOps:
     """The ops of a Qwen3 decoder on [T, H] activations, appending to one GraphBuilder."""
 
-    def __init__(self, b: GraphBuilder, weights: Callable[[str], str], eps: float, dtype: int):
-        self.b, self.weight, self.eps, self.dtype = b, weights, eps, dtype
+    def __init__(self, b: GraphBuilder, weights: Callable[[str], str], eps: float, dtype: int, head_dim: int):
+        self.b, self.weight, self.eps, self.dtype, self.head_dim = b, weights, eps, dtype, head_dim
 
     def rms_norm(self, x: str, weight_name: str) -> str:
         """Normalise in float32 over the last axis, then scale in the graph dtype (as Hugging Face does)."""
         b = self.b
         wide = b.op("Cast", x, to=TensorProto.FLOAT)
-        variance = b.op("ReduceMean", b.op("Mul", wide, wide), b.const([-1]), keepdims=1)
+        # Pow (not Mul) so that ONNX Runtime fuses the pattern into one SimplifiedLayerNormalization
+        variance = b.op("ReduceMean", b.op("Pow", wide, b.const(2.0, np.float32)), b.const([-1]), keepdims=1)
         normed = b.op("Div", wide, b.op("Sqrt", b.op("Add", variance, b.const(self.eps, np.float32))))
         return b.op("Mul", b.op("Cast", normed, to=self.dtype), self.weight(weight_name))
 
@@ -45,18 +46,20 @@ class DecoderOps:
         return self.b.op("Gemm", x, self.weight(weight_name), transB=1)
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        b = self.b
-        first, second = b.op("Split", x, axis=-1, num_outputs=2, outputs=2)
-        rotated = b.op("Concat", b.op("Neg", second), first, axis=-1)
-        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+        """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""
+        b, half = self.b, self.head_dim // 2
+        swapped = b.const(np.r_[np.arange(half, 2 * half), np.arange(half)])
+        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, swapped, axis=-1), sin))
 
 
 def rope_tables(b: GraphBuilder, pos: str, head_dim: int, theta: float, factor: float, dtype: int) -> tuple[str, str]:
-    """cos/sin [T, 1, D] for absolute positions (float32 angles, then the graph dtype)."""
+    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles, then the
+    graph dtype), for `DecoderOps.rope`."""
     inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor).astype(np.float32)
     angles = b.op("Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32))
     angles = b.op("Unsqueeze", b.op("Concat", angles, angles, axis=-1), b.const([1]))
-    return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Sin", angles), to=dtype)
+    sign = b.const(np.repeat([-1.0, 1.0], head_dim // 2), np.float32)
+    return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Mul", b.op("Sin", angles), sign), to=dtype)
 
 
 def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str = "float32",
@@ -77,7 +80,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
         return name
 
     b = GraphBuilder()
-    ops = DecoderOps(b, weight, config.rms_norm_eps, onnx_dtype)
+    ops = DecoderOps(b, weight, config.rms_norm_eps, onnx_dtype, config.head_dim)
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     x = b.op("Gather", weight("model.embed_tokens.weight"), "input_ids")
     cos, sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, onnx_dtype)

@@ -27,10 +27,11 @@ def varlen_attention_function() -> FunctionProto:
     b = GraphBuilder("va_")
     zero, one = b.const(0), b.const(1)
     ax0, ax1, ax2, last = b.const([0]), b.const([1]), b.const([2]), b.const([-1])
-    q_shape, cache_shape = b.op("Shape", "q"), b.op("Shape", "k_cache")
-    slots_n = b.op("Gather", cache_shape, ax0)
-    q_heads, kv_heads = b.op("Gather", q_shape, ax1), b.op("Gather", cache_shape, ax1)
-    dim = b.op("Gather", cache_shape, b.const([3]))
+    # the index bookkeeping below reads only slot, pos and cache_len, which every layer shares, so that
+    # ONNX Runtime computes it once per step (common-subexpression elimination across the inlined calls)
+    slots_n = b.op("Shape", "cache_len")  # [1]
+    q_heads, dim = b.op("Shape", "q", start=1, end=2), b.op("Shape", "q", start=2, end=3)
+    kv_heads = b.op("Shape", "k_new", start=1, end=2)
     group = b.op("Div", q_heads, kv_heads)
 
     # offset of each token inside its request = how many earlier tokens share its slot
@@ -43,12 +44,17 @@ def varlen_attention_function() -> FunctionProto:
     n_max = b.op("ReduceMax", counts, ax0, keepdims=1)  # [1]
     pad_index = b.op("Concat", slot_col, b.op("Unsqueeze", offset, last), axis=1)  # [T, 2]
 
-    def pad(values: str, heads: str) -> str:
-        """[T, H, D] -> [S, n_max, H, D], zeros where a request has fewer tokens."""
-        zeros = b.op("CastLike", b.op("ConstantOfShape", b.op("Concat", slots_n, n_max, heads, dim, axis=0)), values)
-        return b.op("ScatterND", zeros, pad_index, values)
+    # padded row (s, j) reads token index_map[s, j]; rows past a request's tokens read an appended zero row
+    tokens_n = b.op("Shape", "slot")  # [1]
+    fill = b.op("Expand", tokens_n, b.op("Concat", slots_n, n_max, axis=0))  # [S, n_max], all T
+    index_map = b.op("ScatterND", fill, pad_index, b.op("Range", zero, b.op("Squeeze", tokens_n, ax0), one))
+    zero_row = b.const([0, 0, 0, 1, 0, 0])
 
-    q_pad, k_pad, v_pad = pad("q", q_heads), pad("k_new", kv_heads), pad("v_new", kv_heads)
+    def pad(values: str) -> str:
+        """[T, H, D] -> [S, n_max, H, D], zeros where a request has fewer tokens."""
+        return b.op("Gather", b.op("Pad", values, zero_row), index_map, axis=0)
+
+    q_pad, k_pad, v_pad = pad("q"), pad("k_new"), pad("v_new")
     minus_one = helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])
     pos_pad = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", slots_n, n_max, axis=0), value=minus_one),
                    pad_index, "pos")  # [S, n_max]; -1 marks padding
@@ -86,10 +92,9 @@ def varlen_attention_function() -> FunctionProto:
     v_new32 = b.op("Cast", b.op("Unsqueeze", b.op("Transpose", v_pad, perm=[0, 2, 1, 3]), ax2), to=TensorProto.FLOAT)
     attended = b.op("Add", b.op("MatMul", cache_weights, v_cache32), b.op("MatMul", new_weights, v_new32))
 
-    # [S, Hkv, g, n, D] -> [S, n, Hq, D] -> the T real tokens
+    # [S, Hkv, g, n, D] -> [S, n, Hkv, g, D] -> the T real tokens [T, Hkv, g, D] -> [T, Hq, D]
     per_token = b.op("Transpose", attended, perm=[0, 3, 1, 2, 4])
-    padded_out = b.op("Reshape", per_token, b.op("Concat", slots_n, n_max, q_heads, dim, axis=0))
-    out = b.op("GatherND", padded_out, pad_index)
+    out = b.op("Reshape", b.op("GatherND", per_token, pad_index), b.op("Shape", "q"))
     b.op("CastLike", out, "q", name="out")
     return helper.make_function(
         DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), b.nodes,

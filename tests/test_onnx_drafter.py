@@ -30,7 +30,8 @@ def make_drafter(tmp_path, kind, head):
     target = Qwen3Model.from_checkpoint(checkpoint, "float32")
     drafter_config = DrafterConfig(
         drafter_type=kind, target=config.architecture_fields() | {"dtype": "float32"}, vocab_hash="x", mask_token_id=3,
-        num_layers=2, block=BLOCK, feature_layers=(1, 2), head=head, markov_rank=8, confidence=kind == "dspark")
+        num_layers=1 if kind == "eagle3" else 2, block=BLOCK, feature_layers=(1, 2), head=head, markov_rank=8,
+        confidence=kind == "dspark")
     torch.manual_seed(0)
     drafter = build_drafter(drafter_config)
     with torch.no_grad():  # random, non-zero heads so that every term matters
