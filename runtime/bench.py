@@ -30,6 +30,7 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
             gate.release()
 
     threads = []
+    before = dict(engine.core.seconds)
     started = time.perf_counter()
     for index in range(len(rows)):
         gate.acquire()
@@ -39,6 +40,8 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
+    step_seconds = engine.core.seconds["step"] - before["step"]
+    schedule_seconds = engine.core.seconds["schedule"] - before["schedule"]
     generated = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats["steps"] for r in results)
     return {
@@ -51,6 +54,7 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
         "generated_tokens": generated,
         "seconds": elapsed,
         "accepted_per_step": float(np.mean([r.stats["accepted_per_step"] for r in results])),
+        "scheduler_share_of_step_time": schedule_seconds / step_seconds if step_seconds else 0.0,
     }
 
 
@@ -70,3 +74,30 @@ def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrenc
         result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
     return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
             "temperature": params.temperature, "results": results}
+
+
+def plot_frontier(report: dict, file: str) -> bool:
+    """Aggregate vs per-request tokens/s, one line per mode across concurrencies; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(6.5, 4.5), dpi=120)
+    for mode in dict.fromkeys(r["mode"] for r in report["results"]):
+        points = sorted((r for r in report["results"] if r["mode"] == mode), key=lambda r: r["concurrency"])
+        axis.plot([r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=mode)
+        for r in points:
+            axis.annotate(str(r["concurrency"]), (r["per_request_tokens_per_s"], r["tokens_per_s"]), fontsize=7,
+                          textcoords="offset points", xytext=(3, 3))
+    axis.set_xlabel("per-request tokens/s (median)")
+    axis.set_ylabel("aggregate tokens/s")
+    axis.set_title(f"throughput vs per-request speed (T={report['temperature']:g}; labels: concurrency)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(file)
+    plt.close(figure)
+    return True

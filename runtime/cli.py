@@ -148,20 +148,26 @@ def _repl(session) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
+@click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
-def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, threads, as_json) -> None:
+def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, threads, domains, plot, as_json) -> None:
     """Throughput of each speculation mode against `off`, same prompts, one process.
 
     \b
     Example:
       dspark-run bench --modes off,fixed:2,fixed:4 --concurrency 1,4 --limit 10 --json
     """
-    from dspark_runtime.bench import run_benchmark
+    from dspark_runtime.bench import plot_frontier, run_benchmark
     from dspark_runtime.engine import Engine
     from dspark_runtime.prompts import read_prompts
     from dspark_runtime.sampling import SamplingParams
 
     rows = read_prompts(prompts or demo_prompts_file(), limit)
+    if domains:
+        rows = [r for r in rows if r.get("domain") in domains.split(",")]
+        if not rows:
+            raise click.BadParameter(f"no prompt has a domain in {domains!r}", param_hint="--domains")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
 
     def show(result: dict) -> None:
@@ -171,6 +177,8 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
 
     with Engine.load(engine_dir, threads=threads) as engine:
         report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show)
+    if plot and not plot_frontier(report, plot):
+        click.echo("--plot needs matplotlib (pip install matplotlib)", err=True)
     click.echo(json.dumps(report, indent=None if as_json else 2))
 
 

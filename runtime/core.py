@@ -8,6 +8,7 @@ a prefix and emits one more token per request -> accepted K/V stay committed (th
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +56,7 @@ class EngineCore:
         self.sts = sts_temperatures
         self.set_curve(curve)
         self.round_log: list[tuple[np.ndarray, int]] | None = None  # (confidence logits, accepted) when recording
+        self.seconds = {"step": 0.0, "schedule": 0.0}  # time spent in steps and, within them, in the scheduler
 
     def set_curve(self, curve: SpeedCurve | None) -> None:
         self.curve = curve
@@ -79,13 +81,22 @@ class EngineCore:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            self.seconds["step"] += time.perf_counter() - started
+
+    def _step(self) -> None:
         self._admit()
         for sequence in [s for s in self.active if s.cancelled]:
             self._finish(sequence, "cancelled")
             self.release(sequence)
         if not self.active:
             return
+        scheduling = time.perf_counter()
         lengths = self._schedule([s for s in self.active if s.decoding])
+        self.seconds["schedule"] += time.perf_counter() - scheduling
         rows, feeds = self._target_batch(lengths)
         outputs = self.run_target(feeds | self.target_cache.feeds())
         self.target_cache.write(feeds["slot"], feeds["pos"], outputs)
