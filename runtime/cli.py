@@ -228,7 +228,8 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, as_j
     else:
         for name in ("before", "after"):
             click.echo(f"{name:>6}: ECE {[round(100 * e, 2) for e in report[name]['ece']]} %  AUC {report[name]['auc']}")
-        click.echo(f"temperatures {report['temperatures']} from {report['rounds']} rounds")
+        click.echo(f"temperatures {report['temperatures']} fitted on {report['rounds_fit']} rounds; "
+                   f"metrics on {report['rounds_held_out']} held-out rounds (odd-numbered prompts)")
 
 
 @main.command()
