@@ -13,6 +13,7 @@ import argparse
 import resource
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,11 +44,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("build/memory"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     checkpoint, engine = args.work / "checkpoint", args.work / f"engine-{args.dtype}"
+    if args.write_only:
+        write_checkpoint(checkpoint)
+        return
     if not (checkpoint / "model.safetensors.index.json").is_file():
         print(f"writing a random checkpoint to {checkpoint} ...", flush=True)
-        write_checkpoint(checkpoint)
+        # in a child process: this one must stay small, or the build child's max RSS would count its pages
+        subprocess.run([sys.executable, __file__, "--work", str(args.work), "--write-only"], check=True)
     start = time.perf_counter()
     subprocess.run(["dspark-export", "build", "--target-path", str(checkpoint), "--out", str(engine),
                     "--dtype", args.dtype, "--force"], check=True)
