@@ -148,28 +148,50 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple
 
 class Sampler:
     """Per-request draft sampling in the graph: inverse CDF of softmax(logits / T) from one uniform of
-    `noise` per draft, the argmax where T = 0; the distribution drawn from is returned with the token."""
+    `noise` per draft, the argmax where T = 0; the distribution drawn from is returned with the token.
+
+    An `If` on "any request samples" keeps all-greedy calls to an argmax: the softmax, cumulative sums and
+    comparisons over the vocabulary run only when some request has T > 0.
+    """
 
     def __init__(self, b: GraphBuilder, vocab: int):
         self.b, self.vocab = b, vocab
         temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
         self.sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
         self.sampling_row = b.op("Squeeze", self.sampling, b.const([1]))  # [R]
+        self.any_sampling = b.op("Greater", b.op("ReduceMax", "temperature", keepdims=0), b.const(0.0, np.float32))
         self.safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
         self.one_hot_values = b.const([0.0, 1.0], np.float32)
 
     def pick(self, logits: str, k: int) -> tuple[str, str]:
         """logits [R, V] of draft k -> (token [R], distribution [R, 1, V])."""
-        b, vocab = self.b, self.vocab
-        softmax = b.op("Softmax", b.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
-        cdf = b.op("CumSum", softmax, b.const(-1))
-        threshold = b.op("Mul", b.op("Gather", "noise", b.const([k]), axis=1), b.op("Gather", cdf, b.const([vocab - 1]), axis=1))
-        below = b.op("ReduceSum", b.op("Cast", b.op("Less", cdf, threshold), to=TensorProto.INT64), b.const([-1]), keepdims=0)
-        sampled = b.op("Min", below, b.const(vocab - 1))  # inverse CDF: first token whose cumulative mass passes u
-        greedy = b.op("ArgMax", logits, axis=-1, keepdims=0)
-        token = b.op("Where", self.sampling_row, sampled, greedy)
-        one_hot = b.op("OneHot", greedy, b.const([vocab]), self.one_hot_values, axis=-1)
-        return token, b.op("Unsqueeze", b.op("Where", self.sampling, softmax, one_hot), b.const([1]))
+        b = self.b
+        token, prob = b.name(f"draft_token_{k}"), b.name(f"draft_prob_{k}")
+        b.nodes.append(helper.make_node("If", [self.any_sampling], [token, prob],
+                                        then_branch=self._branch(logits, k, sample=True),
+                                        else_branch=self._branch(logits, k, sample=False)))
+        return token, prob
+
+    def _branch(self, logits: str, k: int, sample: bool) -> onnx.GraphProto:
+        vocab = self.vocab
+        sub = GraphBuilder(f"{self.b.prefix}{'sample' if sample else 'argmax'}{k}_")
+        greedy = sub.op("ArgMax", logits, axis=-1, keepdims=0)
+        one_hot = sub.op("OneHot", greedy, sub.const([vocab]), self.one_hot_values, axis=-1)
+        if sample:
+            softmax = sub.op("Softmax", sub.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
+            cdf = sub.op("CumSum", softmax, sub.const(-1))
+            threshold = sub.op("Mul", sub.op("Gather", "noise", sub.const([k]), axis=1),
+                               sub.op("Gather", cdf, sub.const([vocab - 1]), axis=1))
+            below = sub.op("ReduceSum", sub.op("Cast", sub.op("Less", cdf, threshold), to=TensorProto.INT64),
+                           sub.const([-1]), keepdims=0)
+            sampled = sub.op("Min", below, sub.const(vocab - 1))  # inverse CDF: first token whose mass passes u
+            token = sub.op("Where", self.sampling_row, sampled, greedy)
+            prob = sub.op("Unsqueeze", sub.op("Where", self.sampling, softmax, one_hot), sub.const([1]))
+        else:
+            token, prob = greedy, sub.op("Unsqueeze", one_hot, sub.const([1]))
+        outputs = [helper.make_tensor_value_info(token, TensorProto.INT64, None),
+                   helper.make_tensor_value_info(prob, TensorProto.FLOAT, None)]
+        return helper.make_graph(sub.nodes, sub.prefix + "branch", [], outputs)
 
 
 def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
