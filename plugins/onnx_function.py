@@ -1,9 +1,10 @@
 """`DSparkVarlenAttention` as an ONNX model-local function with a standard-op body.
 
 ONNX Runtime inlines the body; TensorRT >= 10.7 swaps in the registered plugin because the call node
-carries `plugin_namespace`/`plugin_version`. The body pads each request's new tokens to [S, n_max]
-(ScatterND at (slot, offset in request)), runs one batched attention per request against its own
-cache rows (masked beyond `cache_len`), and unpads with GatherND. Scores and softmax are float32 for
+carries `plugin_namespace`/`plugin_version`. The body takes the A slots that have tokens in the call
+(Unique), pads each request's new tokens to [A, n_max] (a Gather at (slot, offset in request)), runs one
+batched attention per request against its own cache rows (masked beyond `cache_len`), and unpads with
+GatherND; idle slots cost nothing. Scores and softmax are float32 for
 every input precision. (`research/varlen-attention-cpu.md`: the padded body is the best standard-op
 form for batches; attending over the whole flattened cache or gathering per token is 5-20x slower.)
 """
@@ -29,61 +30,63 @@ def varlen_attention_function() -> FunctionProto:
     ax0, ax1, ax2, last = b.const([0]), b.const([1]), b.const([2]), b.const([-1])
     # the index bookkeeping below reads only slot, pos and cache_len, which every layer shares, so that
     # ONNX Runtime computes it once per step (common-subexpression elimination across the inlined calls)
-    slots_n = b.op("Shape", "cache_len")  # [1]
+    # only the slots that have tokens in this call take part: A active slots, each token's index among them
+    active, _, local, counts = b.op("Unique", "slot", outputs=4, sorted=1)  # [A], -, [T], [A]
+    slots_n = b.op("Shape", active)  # [1]
+    active_len = b.op("Gather", "cache_len", active)  # [A]
     q_heads, dim = b.op("Shape", "q", start=1, end=2), b.op("Shape", "q", start=2, end=3)
     kv_heads = b.op("Shape", "k_new", start=1, end=2)
     group = b.op("Div", q_heads, kv_heads)
 
     # offset of each token inside its request = how many earlier tokens share its slot
-    slot_ids = b.op("Range", zero, b.op("Squeeze", slots_n, ax0), one)  # [S]
-    slot_col = b.op("Unsqueeze", "slot", last)  # [T, 1]
-    member = b.op("Cast", b.op("Equal", slot_col, slot_ids), to=TensorProto.INT64)  # [T, S]
-    counts = b.op("ReduceSum", member, ax0, keepdims=0)  # [S]
-    earlier = b.op("CumSum", member, zero, exclusive=1)  # [T, S]
+    slot_ids = b.op("Range", zero, b.op("Squeeze", slots_n, ax0), one)  # [A]
+    slot_col = b.op("Unsqueeze", local, last)  # [T, 1]
+    member = b.op("Cast", b.op("Equal", slot_col, slot_ids), to=TensorProto.INT64)  # [T, A]
+    earlier = b.op("CumSum", member, zero, exclusive=1)  # [T, A]
     offset = b.op("Squeeze", b.op("GatherElements", earlier, slot_col, axis=1), last)  # [T]
     n_max = b.op("ReduceMax", counts, ax0, keepdims=1)  # [1]
     pad_index = b.op("Concat", slot_col, b.op("Unsqueeze", offset, last), axis=1)  # [T, 2]
 
     # padded row (s, j) reads token index_map[s, j]; rows past a request's tokens read an appended zero row
     tokens_n = b.op("Shape", "slot")  # [1]
-    fill = b.op("Expand", tokens_n, b.op("Concat", slots_n, n_max, axis=0))  # [S, n_max], all T
+    fill = b.op("Expand", tokens_n, b.op("Concat", slots_n, n_max, axis=0))  # [A, n_max], all T
     index_map = b.op("ScatterND", fill, pad_index, b.op("Range", zero, b.op("Squeeze", tokens_n, ax0), one))
     zero_row = b.const([0, 0, 0, 1, 0, 0])
 
     def pad(values: str) -> str:
-        """[T, H, D] -> [S, n_max, H, D], zeros where a request has fewer tokens."""
+        """[T, H, D] -> [A, n_max, H, D], zeros where a request has fewer tokens."""
         return b.op("Gather", b.op("Pad", values, zero_row), index_map, axis=0)
 
     q_pad, k_pad, v_pad = pad("q"), pad("k_new"), pad("v_new")
     minus_one = helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])
     pos_pad = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", slots_n, n_max, axis=0), value=minus_one),
-                   pad_index, "pos")  # [S, n_max]; -1 marks padding
+                   pad_index, "pos")  # [A, n_max]; -1 marks padding
 
-    # queries grouped by their KV head: [S, n, Hkv, g, D] -> [S, Hkv, g, n, D], float32
+    # queries grouped by their KV head: [A, n, Hkv, g, D] -> [A, Hkv, g, n, D], float32
     q5 = b.op("Reshape", q_pad, b.op("Concat", slots_n, n_max, kv_heads, group, dim, axis=0))
     q32 = b.op("Cast", b.op("Transpose", q5, perm=[0, 2, 3, 1, 4]), to=TensorProto.FLOAT)
     scale = b.attribute_const("scale", "float")
 
-    # scores against the request's own cache rows, read only up to the longest committed length: [S, Hkv, g, n, L]
-    live = b.op("ReduceMax", "cache_len", ax0, keepdims=1)  # [1]
-    k_live, v_live = (b.op("Slice", cache, ax0, live, ax2) for cache in ("k_cache", "v_cache"))
-    k_cache32 = b.op("Cast", b.op("Unsqueeze", k_live, ax2), to=TensorProto.FLOAT)  # [S, Hkv, 1, L, D]
+    # scores against the request's own cache rows, read only up to the longest committed length: [A, Hkv, g, n, L]
+    live = b.op("ReduceMax", active_len, ax0, keepdims=1)  # [1]
+    k_live, v_live = (b.op("Slice", b.op("Gather", cache, active), ax0, live, ax2) for cache in ("k_cache", "v_cache"))
+    k_cache32 = b.op("Cast", b.op("Unsqueeze", k_live, ax2), to=TensorProto.FLOAT)  # [A, Hkv, 1, L, D]
     cache_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_cache32, perm=[0, 1, 2, 4, 3])), scale)
     key_ids = b.op("Range", zero, b.op("Squeeze", live, ax0), one)
-    cache_visible = b.op("Less", key_ids, b.op("Unsqueeze", "cache_len", last))  # [S, Lmax]
-    cache_mask = b.op("Unsqueeze", cache_visible, b.const([1, 2, 3]))  # [S, 1, 1, 1, Lmax]
+    cache_visible = b.op("Less", key_ids, b.op("Unsqueeze", active_len, last))  # [A, L]
+    cache_mask = b.op("Unsqueeze", cache_visible, b.const([1, 2, 3]))  # [A, 1, 1, 1, Lmax]
     neg = b.const(NEG, np.float32)
     cache_scores = b.op("Where", cache_mask, cache_scores, neg)
 
-    # scores against the request's new tokens: [S, Hkv, g, n, n]
-    k_new5 = b.op("Unsqueeze", b.op("Transpose", k_pad, perm=[0, 2, 1, 3]), ax2)  # [S, Hkv, 1, n, D]
+    # scores against the request's new tokens: [A, Hkv, g, n, n]
+    k_new5 = b.op("Unsqueeze", b.op("Transpose", k_pad, perm=[0, 2, 1, 3]), ax2)  # [A, Hkv, 1, n, D]
     k_new32 = b.op("Cast", k_new5, to=TensorProto.FLOAT)
     new_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_new32, perm=[0, 1, 2, 4, 3])), scale)
-    pos_query, pos_key = b.op("Unsqueeze", pos_pad, last), b.op("Unsqueeze", pos_pad, ax1)  # [S, n, 1], [S, 1, n]
+    pos_query, pos_key = b.op("Unsqueeze", pos_pad, last), b.op("Unsqueeze", pos_pad, ax1)  # [A, n, 1], [A, 1, n]
     block = b.op("Cast", b.attribute_const("block", "int"), to=TensorProto.BOOL)
     order_ok = b.op("Or", b.op("LessOrEqual", pos_key, pos_query), block)
     new_visible = b.op("And", order_ok, b.op("GreaterOrEqual", pos_key, zero))  # padding keys never seen
-    new_mask = b.op("Unsqueeze", new_visible, b.const([1, 2]))  # [S, 1, 1, n, n]
+    new_mask = b.op("Unsqueeze", new_visible, b.const([1, 2]))  # [A, 1, 1, n, n]
     new_scores = b.op("Where", new_mask, new_scores, neg)
 
     weights = b.op("Softmax", b.op("Concat", cache_scores, new_scores, axis=-1), axis=-1)
@@ -92,7 +95,7 @@ def varlen_attention_function() -> FunctionProto:
     v_new32 = b.op("Cast", b.op("Unsqueeze", b.op("Transpose", v_pad, perm=[0, 2, 1, 3]), ax2), to=TensorProto.FLOAT)
     attended = b.op("Add", b.op("MatMul", cache_weights, v_cache32), b.op("MatMul", new_weights, v_new32))
 
-    # [S, Hkv, g, n, D] -> [S, n, Hkv, g, D] -> the T real tokens [T, Hkv, g, D] -> [T, Hq, D]
+    # [A, Hkv, g, n, D] -> [A, n, Hkv, g, D] -> the T real tokens [T, Hkv, g, D] -> [T, Hq, D]
     per_token = b.op("Transpose", attended, perm=[0, 3, 1, 2, 4])
     out = b.op("Reshape", b.op("GatherND", per_token, pad_index), b.op("Shape", "q"))
     b.op("CastLike", out, "q", name="out")
