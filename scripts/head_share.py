@@ -10,20 +10,13 @@ and sampling (the same for every drafter). Medians of `--repeats` runs, single-t
 from __future__ import annotations
 
 import argparse
-import time
-
-import numpy as np
 import torch
+
+from dspark_calibration.timing import median_seconds
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return 1e3 * median_seconds(fn, repeats)
 
 
 @torch.no_grad()
