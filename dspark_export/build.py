@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark_export.checkpoint import Checkpoint, expected_shapes
+from dspark_export.config import DTYPES
 from dspark_export.onnx_drafter import build_drafter_onnx
 from dspark_export.onnx_target import build_target_onnx
 from dspark_export.presets import TargetSpec
@@ -45,6 +46,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True) -> Path:
     """Write the engine directory `out`; returns it."""
     backend = resolve_backend(backend)
+    if dtype not in DTYPES:
+        raise DSparkError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
@@ -67,7 +70,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, progress=bar.update)
         if drafter_dir is not None:
-            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH)
+            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, int8_vocab=backend == "ort")
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)

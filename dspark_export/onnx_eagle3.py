@@ -64,7 +64,7 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tupl
     sampler = Sampler(b, vocab)
     tokens, probs = [], []
     for step in range(config.block):
-        token, prob = sampler.pick(ops.linear(ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
+        token, prob = sampler.pick(ops.weight.vocab_linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         probs.append(prob)
         if step == config.block - 1:

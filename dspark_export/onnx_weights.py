@@ -10,7 +10,8 @@ from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
 
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+               "int8": TensorProto.INT8}
 ALIGN = 64
 
 

@@ -97,3 +97,29 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
             caches[layer][0][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_key_{layer}"]
             caches[layer][1][feeds["context_slot"], :, feeds["context_pos"]] = out[f"new_value_{layer}"]
         committed = dict(length_now)
+
+
+def test_int8_vocabulary_projections_stay_close(tmp_path):
+    """The CPU engine's drafter quantizes its LM head and Markov output to int8: drafts move a little, and the
+    graph still returns the distribution each draft was drawn from."""
+
+    make_drafter(tmp_path, "dspark", "markov")
+    folder = tmp_path / "target"
+    checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
+    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", int8_vocab=int8)
+              for int8 in (False, True)}
+    quantized = onnx.load(str(graphs[True]), load_external_data=False)
+    assert sum(node.op_type == "MatMulInteger" for node in quantized.graph.node) == 1 + BLOCK  # LM head + one per Markov step
+    onnx.checker.check_model(str(graphs[True]), full_check=True)
+    config = checkpoint.config
+    rng = np.random.default_rng(0)
+    shape = (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
+    feeds = {"context_features": rng.standard_normal((5, 2 * config.hidden_size)).astype(np.float32),
+             "context_slot": np.zeros(5, np.int64), "context_pos": np.arange(5), "anchor_ids": np.array([7]),
+             "anchor_pos": np.array([5]), "request_slot": np.array([0]), "cache_len": np.zeros(SLOTS, np.int64),
+             "noise": rng.uniform(0, 1, (1, BLOCK)).astype(np.float32), "temperature": np.array([1.0], np.float32)}
+    feeds |= {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(2)}
+    out = {int8: ort.InferenceSession(str(graph)).run(["draft_probs", "confidence_logits"], feeds) for int8, graph in graphs.items()}
+    assert np.abs(out[True][0][0, 0] - out[False][0][0, 0]).max() < 0.02  # the first draft's distribution
+    assert np.abs(out[True][1][0, 0] - out[False][1][0, 0]) < 1e-5  # the confidence head is not quantized
+    assert np.allclose(out[True][0].sum(-1), 1.0, atol=1e-5)
