@@ -137,12 +137,12 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
         attn = p + "self_attn."
-        k_ctx = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(context, attn + "k_proj.weight"), kv_shape), attn + "k_norm.weight"), cos_ctx, sin_ctx)
+        k_ctx = ops.projected_heads(context, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_ctx, sin_ctx)
         v_ctx = b.op("Reshape", ops.linear(context, attn + "v_proj.weight"), kv_shape)
         new_k, new_v = b.op("Identity", k_ctx, name=f"new_key_{layer}"), b.op("Identity", v_ctx, name=f"new_value_{layer}")
         h = ops.rms_norm(x, p + "input_layernorm.weight")
-        q = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, attn + "q_proj.weight"), q_shape), attn + "q_norm.weight"), cos_blk, sin_blk)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, attn + "k_proj.weight"), kv_shape), attn + "k_norm.weight"), cos_blk, sin_blk)
+        q = ops.projected_heads(h, attn + "q_proj.weight", attn + "q_norm.weight", q_shape, cos_blk, sin_blk)
+        k = ops.projected_heads(h, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_blk, sin_blk)
         v = b.op("Reshape", ops.linear(h, attn + "v_proj.weight"), kv_shape)
         past_k, past_v = f"past_key_{layer}", f"past_value_{layer}"
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", hkv, "Lmax", d]) for n in (past_k, past_v)]
@@ -154,9 +154,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple
         attended = b.op("Slice", attended_all, context_count, b.const([np.iinfo(np.int64).max]), b.const([0]))
         x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
         h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
-        gate = ops.linear(h, p + "mlp.gate_proj.weight")
-        x = b.op("Add", x, ops.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), ops.linear(h, p + "mlp.up_proj.weight")),
-                                      p + "mlp.down_proj.weight"))
+        x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
     normed = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
     hidden = b.op("Reshape", normed, b.op("Concat", requests, b.const([block, t.hidden_size]), axis=0))
     base = b.op("Reshape", ops.weight.vocab_linear(b, normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))

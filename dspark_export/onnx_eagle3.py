@@ -32,16 +32,13 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tupl
         x = b.op("Concat", ops.rms_norm(b.op("Gather", ops.weight("embed_tokens.weight"), token_ids), "embed_norm.weight"),
                  ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
         cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
-        q = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(x, "q_proj.weight"), q_shape), "q_norm.weight"), cos, sin)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(x, "k_proj.weight"), kv_shape), "k_norm.weight"), cos, sin)
+        q = ops.projected_heads(x, "q_proj.weight", "q_norm.weight", q_shape, cos, sin)
+        k = ops.projected_heads(x, "k_proj.weight", "k_norm.weight", kv_shape, cos, sin)
         return q, k, b.op("Reshape", ops.linear(x, "v_proj.weight"), kv_shape)
 
     def finish(attended: str, residual: str) -> str:
         x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), "o_proj.weight"))
-        h = ops.rms_norm(x, "post_attention_layernorm.weight")
-        gate = ops.linear(h, "mlp.gate_proj.weight")
-        act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), ops.linear(h, "mlp.up_proj.weight"))
-        return b.op("Add", x, ops.linear(act, "mlp.down_proj.weight"))
+        return b.op("Add", x, ops.swiglu(ops.rms_norm(x, "post_attention_layernorm.weight"), "mlp."))
 
     def attend(query: str, keys: list[str], values: list[str], slots: list[str], positions: list[str]) -> str:
         """Causal varlen attention of `query` (the newest rows) over [context entries; chain so far]."""

@@ -45,6 +45,17 @@ class DecoderOps:
     def linear(self, x: str, weight_name: str) -> str:
         return self.b.op("Gemm", x, self.weight(weight_name), transB=1)
 
+    def projected_heads(self, x: str, weight_name: str, norm_name: str, shape: str, cos: str, sin: str) -> str:
+        """A Qwen3 query or key: x·Wᵀ split into heads (`shape`), RMS-normed per head, rotated."""
+        return self.rope(self.rms_norm(self.b.op("Reshape", self.linear(x, weight_name), shape), norm_name), cos, sin)
+
+    def swiglu(self, x: str, prefix: str) -> str:
+        """The MLP: down(silu(gate(x)) · up(x)) with weights `{prefix}gate_proj.weight` etc."""
+        b = self.b
+        gate = self.linear(x, prefix + "gate_proj.weight")
+        return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), self.linear(x, prefix + "up_proj.weight")),
+                           prefix + "down_proj.weight")
+
     def rope(self, x: str, cos: str, sin: str) -> str:
         """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""
         b, half = self.b, self.head_dim // 2
@@ -91,8 +102,8 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         h = ops.rms_norm(x, p + "input_layernorm.weight")
-        q = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, p + "self_attn.q_proj.weight"), q_shape), p + "self_attn.q_norm.weight"), cos, sin)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", ops.linear(h, p + "self_attn.k_proj.weight"), kv_shape), p + "self_attn.k_norm.weight"), cos, sin)
+        q = ops.projected_heads(h, p + "self_attn.q_proj.weight", p + "self_attn.q_norm.weight", q_shape, cos, sin)
+        k = ops.projected_heads(h, p + "self_attn.k_proj.weight", p + "self_attn.k_norm.weight", kv_shape, cos, sin)
         v = b.op("Reshape", ops.linear(h, p + "self_attn.v_proj.weight"), kv_shape)
         new_k, new_v = b.op("Identity", k, name=f"new_key_{layer}"), b.op("Identity", v, name=f"new_value_{layer}")
         past_k, past_v = f"past_key_{layer}", f"past_value_{layer}"
@@ -103,9 +114,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
                                              name=f"attention_node_{layer}"))
         x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), p + "self_attn.o_proj.weight"))
         h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
-        gate = ops.linear(h, p + "mlp.gate_proj.weight")
-        act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), ops.linear(h, p + "mlp.up_proj.weight"))
-        x = b.op("Add", x, ops.linear(act, p + "mlp.down_proj.weight"))
+        x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
         if layer in feature_layers:
             taps.append(x)
     last = ops.rms_norm(b.op("Gather", x, "logit_index", axis=0), "model.norm.weight")

@@ -223,11 +223,10 @@ class EngineCore:
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
         for s in self.active:
             cache_len[s.slot] = s.drafter_len
-        history = [s.history for s in sequences]
         feeds = {
             "context_features": np.concatenate(context).astype(np.float32),
             # EAGLE-3 entries pair position t's features with token t + 1; its draft starts from each newest entry
-            "context_ids": np.concatenate([h[s.drafter_len + 1 : s.target_len + 1] for s, h in zip(sequences, history)]),
+            "context_ids": np.asarray([t for s in sequences for t in s.tokens_at(s.drafter_len + 1, s.target_len + 1)], dtype=np.int64),
             "context_last": np.cumsum([len(c) for c in context]) - 1,
             "context_slot": np.concatenate([[s.slot] * len(c) for s, c in zip(sequences, context)]).astype(np.int64),
             "context_pos": np.concatenate([np.arange(s.drafter_len, s.drafter_len + len(c)) for s, c in zip(sequences, context)]).astype(np.int64),

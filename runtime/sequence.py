@@ -59,6 +59,11 @@ class Sequence:
     def decoding(self) -> bool:
         return self.anchor is not None
 
+    def tokens_at(self, start: int, stop: int) -> list[int]:
+        """The tokens at positions start..stop-1 (prompt, then generated) without building the whole history."""
+        offset = len(self.prompt)
+        return self.prompt[start:stop] + self.generated[max(0, start - offset) : max(0, stop - offset)]
+
     @property
     def history(self) -> np.ndarray:
         """Every token so far (prompt and generated, the anchor included), for penalties."""

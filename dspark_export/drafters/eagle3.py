@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_export.drafters.config import DrafterConfig
+from dspark_export.drafters.losses import expected_tau
 from dspark_export.model import MLP, RMSNorm, rope_tables, rotate
 
 
@@ -107,8 +108,6 @@ def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, le
 
     Step i at entry t predicts x_{t+i+2}, whose target distribution is target_logits[:, t+i+1].
     """
-    from dspark_export.drafters.losses import expected_tau
-
     batch, length, vocab = target_logits.shape
     entries = torch.arange(length).expand(batch, length) if entries is None else entries
     total = target_logits.new_zeros(())
