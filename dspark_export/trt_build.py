@@ -4,7 +4,7 @@ The ONNX graphs already carry their precision (TensorRT 11 networks are strongly
 attention call nodes carry `plugin_namespace`/`plugin_version`, so the parser takes the registered
 `DSparkVarlenAttention` plugin instead of inlining the function body. One optimization profile per
 graph comes from the manifest: the symbolic token and request dimensions range over what the runtime
-can send, while the cache dimensions are fixed. Status: the profile and graph preparation are tested;
+can send, while the cache dimensions are fixed. Status: the profiles are tested on the real graphs;
 the engine build itself needs TensorRT and a GPU and has not been run on any machine here.
 """
 
