@@ -70,7 +70,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, progress=bar.update)
         if drafter_dir is not None:
-            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, int8_vocab=backend == "ort")
+            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, cpu=backend == "ort")
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)

@@ -32,34 +32,35 @@ from dspark_plugins.builder import GraphBuilder
 from dspark_runtime.errors import CheckpointError
 
 
-def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path, int8_vocab: bool = False) -> Path:
+def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path, cpu: bool = False) -> Path:
     """Write the drafter graph (float32) and its external data; returns the graph path.
 
-    `int8_vocab` stores the vocabulary-sized projections (LM head, Markov output) as int8 with a float32
-    scale per token and runs them as `MatMulInteger` on dynamically quantized activations: 4x less weight
-    traffic per draft on a CPU. Drafts change slightly, losslessness does not (the distribution a draft was
-    drawn from is what the graph returns). TensorRT builds keep float32.
+    `cpu` (ONNX Runtime builds) stores the vocabulary-sized projections (LM head, Markov output) as int8
+    with a float32 scale per token and runs them as `MatMulInteger` on dynamically quantized activations:
+    4x less weight traffic per draft. Drafts change slightly, losslessness does not (the distribution a
+    draft was drawn from is what the graph returns). It also lets all-greedy calls skip the distributions
+    (see `Sampler`), which TensorRT's conditionals do not allow. TensorRT builds keep float32.
     """
     config = DrafterConfig.from_dir(drafter_dir)
     config.check_target(target.config, None)
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
     store = ExternalData(graph_file)
-    weights = DrafterWeights(drafter_dir, target, store, int8_vocab)
+    weights = DrafterWeights(drafter_dir, target, store, int8_vocab=cpu)
     b = GraphBuilder()
     ops = DecoderOps(b, weights, target.config.rms_norm_eps, TensorProto.FLOAT, target.config.head_dim)
     if config.drafter_type == "eagle3":
         from dspark_export.onnx_eagle3 import eagle3_body
 
-        inputs, outputs = eagle3_body(b, ops, config)
+        inputs, outputs = eagle3_body(b, ops, config, Sampler(b, config.target_config.vocab_size, cpu))
     else:
-        inputs, outputs = block_body(b, ops, config)
+        inputs, outputs = block_body(b, ops, config, Sampler(b, config.target_config.vocab_size, cpu))
     store.close()
     graph = helper.make_graph(b.nodes, "dspark_drafter", inputs, outputs, initializer=list(weights.initializers.values()))
     model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()],
                               producer_name="dspark-export")
     helper.set_model_props(model, {"dspark_graph": "drafter", "dspark_graph_format": str(GRAPH_FORMAT),
-                                   "drafter_config": config.to_json(), "int8_vocab": str(int(int8_vocab))})
+                                   "drafter_config": config.to_json(), "cpu_graph": str(int(cpu))})
     onnx.save_model(model, str(graph_file))
     return graph_file
 
@@ -103,7 +104,7 @@ class DrafterWeights:
         return b.op("Mul", b.op("Mul", product, x_scale), scale)
 
 
-def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple[list, list]:
+def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: "Sampler") -> tuple[list, list]:
     """The DSpark / DFlash graph body; returns (inputs, outputs) value infos."""
     t = config.target_config
     weight = ops.weight
@@ -158,11 +159,11 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple
     normed = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
     hidden = b.op("Reshape", normed, b.op("Concat", requests, b.const([block, t.hidden_size]), axis=0))
     base = b.op("Reshape", ops.weight.vocab_linear(b, normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))
-    _sequential_head(b, ops, config, hidden, base, vocab)
+    _sequential_head(b, ops, config, hidden, base, sampler)
     inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", block]),
                helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", block]),
-               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", block, vocab])] + (
+               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", block, "P"])] + (
         [helper.make_tensor_value_info("confidence_logits", TensorProto.FLOAT, ["R", block])] if config.confidence else []) + outputs
     return inputs, outputs
 
@@ -172,20 +173,21 @@ class Sampler:
     `noise` per draft, the argmax where T = 0; the distribution drawn from is returned with the token.
 
     An `If` on "any request samples" keeps all-greedy calls to an argmax: the softmax, cumulative sums and
-    comparisons over the vocabulary run only when some request has T > 0.
+    comparisons over the vocabulary run only when some request has T > 0. In a call that samples, a greedy
+    row's distribution is softmax(logits / 1e-6), the point mass on its argmax up to ties. Greedy
+    verification needs no distribution, so with `empty_greedy` an all-greedy call returns `draft_probs`
+    with an empty vocabulary axis (ONNX Runtime); without it, one-hot rows (TensorRT's conditionals need
+    both branches to give the same shape).
     """
 
-    def __init__(self, b: GraphBuilder, vocab: int):
-        self.b, self.vocab = b, vocab
-        temperature = b.op("Unsqueeze", "temperature", b.const([1]))  # [R, 1]: one temperature per request
-        self.sampling = b.op("Greater", temperature, b.const(0.0, np.float32))
-        self.sampling_row = b.op("Squeeze", self.sampling, b.const([1]))  # [R]
+    def __init__(self, b: GraphBuilder, vocab: int, empty_greedy: bool):
+        self.b, self.vocab, self.empty_greedy = b, vocab, empty_greedy
+        self.sampling_row = b.op("Greater", "temperature", b.const(0.0, np.float32))  # [R]
         self.any_sampling = b.op("Greater", b.op("ReduceMax", "temperature", keepdims=0), b.const(0.0, np.float32))
-        self.safe_t = b.op("Max", temperature, b.const(1e-6, np.float32))
-        self.one_hot_values = b.const([0.0, 1.0], np.float32)
+        self.safe_t = b.op("Max", b.op("Unsqueeze", "temperature", b.const([1])), b.const(1e-6, np.float32))  # [R, 1]
 
     def pick(self, logits: str, k: int) -> tuple[str, str]:
-        """logits [R, V] of draft k -> (token [R], distribution [R, 1, V])."""
+        """logits [R, V] of draft k -> (token [R], distribution [R, 1, V], or [R, 1, 0] when all are greedy)."""
         b = self.b
         token, prob = b.name(f"draft_token_{k}"), b.name(f"draft_prob_{k}")
         b.nodes.append(helper.make_node("If", [self.any_sampling], [token, prob],
@@ -196,28 +198,28 @@ class Sampler:
     def _branch(self, logits: str, k: int, sample: bool) -> onnx.GraphProto:
         vocab = self.vocab
         sub = GraphBuilder(f"{self.b.prefix}{'sample' if sample else 'argmax'}{k}_")
-        greedy = sub.op("ArgMax", logits, axis=-1, keepdims=0)
-        one_hot = sub.op("OneHot", greedy, sub.const([vocab]), self.one_hot_values, axis=-1)
+        token = sub.op("ArgMax", logits, axis=-1, keepdims=0)
         if sample:
-            softmax = sub.op("Softmax", sub.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
-            cdf = sub.op("CumSum", softmax, sub.const(-1))
+            prob = sub.op("Softmax", sub.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
+            cdf = sub.op("CumSum", prob, sub.const(-1))
             threshold = sub.op("Mul", sub.op("Gather", "noise", sub.const([k]), axis=1),
                                sub.op("Gather", cdf, sub.const([vocab - 1]), axis=1))
             below = sub.op("ReduceSum", sub.op("Cast", sub.op("Less", cdf, threshold), to=TensorProto.INT64),
                            sub.const([-1]), keepdims=0)
             sampled = sub.op("Min", below, sub.const(vocab - 1))  # inverse CDF: first token whose mass passes u
-            token = sub.op("Where", self.sampling_row, sampled, greedy)
-            prob = sub.op("Unsqueeze", sub.op("Where", self.sampling, softmax, one_hot), sub.const([1]))
+            token = sub.op("Where", self.sampling_row, sampled, token)
+        elif self.empty_greedy:
+            prob = sub.op("Slice", logits, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, 0]
         else:
-            token, prob = greedy, sub.op("Unsqueeze", one_hot, sub.const([1]))
+            prob = sub.op("OneHot", token, sub.const([vocab]), sub.const([0.0, 1.0], np.float32), axis=-1)
+        prob = sub.op("Unsqueeze", prob, sub.const([1]))
         outputs = [helper.make_tensor_value_info(token, TensorProto.INT64, None),
                    helper.make_tensor_value_info(prob, TensorProto.FLOAT, None)]
         return helper.make_graph(sub.nodes, sub.prefix + "branch", [], outputs)
 
 
-def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, vocab: int) -> None:
+def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, sampler: Sampler) -> None:
     """Unrolled γ steps: bias from the previous token, inverse-CDF sampling from one uniform, confidence logits."""
-    sampler = Sampler(b, vocab)
     previous, state = "anchor_ids", None
     tokens, probs, confidences = [], [], []
     for k in range(config.block):

@@ -12,20 +12,24 @@ causal `DSparkVarlenAttention` call over [context entries; chain entries so far]
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from onnx import TensorProto, helper
 
 from dspark_export.drafters.config import DrafterConfig
-from dspark_export.onnx_drafter import Sampler
 from dspark_export.onnx_target import DecoderOps, rope_tables
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
 
+if TYPE_CHECKING:
+    from dspark_export.onnx_drafter import Sampler
 
-def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tuple[list, list]:
+
+def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler) -> tuple[list, list]:
     """Build the graph into `b`; returns (inputs, outputs) value infos."""
     t = config.target_config
-    hq, hkv, d, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.vocab_size
+    hq, hkv, d = t.num_attention_heads, t.num_key_value_heads, t.head_dim
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
     def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
@@ -58,7 +62,6 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tupl
     keys, values, slots, positions = [k0], [v0], ["context_slot"], ["context_pos"]
     entries = finish(attend(q0, keys, values, slots, positions), context)  # step 0 of every new entry
     hidden = b.op("Gather", entries, "context_last", axis=0)  # [R, H]: the newest entry of each request
-    sampler = Sampler(b, vocab)
     tokens, probs = [], []
     for step in range(config.block):
         token, prob = sampler.pick(ops.weight.vocab_linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
@@ -81,6 +84,6 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig) -> tupl
     inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", config.block]),
                helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", config.block]),
-               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.block, vocab])]
+               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.block, "P"])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["C", hkv, d]) for n in ("new_key_0", "new_value_0")]
     return inputs, outputs

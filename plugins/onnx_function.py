@@ -67,12 +67,17 @@ def varlen_attention_function() -> FunctionProto:
     q32 = b.op("Cast", b.op("Transpose", q5, perm=[0, 2, 3, 1, 4]), to=TensorProto.FLOAT)
     scale = b.attribute_const("scale", "float")
 
-    # scores against the request's own cache rows, read only up to the longest committed length: [A, Hkv, g, n, L]
+    # scores against the request's own cache rows, read only up to the longest committed length: [A, Hkv, g, n, L].
+    # GatherND by (slot, head, position) copies just those rows; a Gather of whole slots would copy Lmax rows each.
     live = b.op("ReduceMax", active_len, ax0, keepdims=1)  # [1]
-    k_live, v_live = (b.op("Slice", b.op("Gather", cache, active), ax0, live, ax2) for cache in ("k_cache", "v_cache"))
+    key_ids = b.op("Range", zero, b.op("Squeeze", live, ax0), one)  # [L]
+    grid = b.op("Concat", slots_n, kv_heads, live, axis=0)
+    rows = [b.op("Unsqueeze", b.op("Expand", b.op("Reshape", ids, b.const(shape)), grid), last) for ids, shape in (
+        (active, [-1, 1, 1]), (b.op("Range", zero, b.op("Squeeze", kv_heads, ax0), one), [1, -1, 1]), (key_ids, [1, 1, -1]))]
+    cache_rows = b.op("Concat", *rows, axis=-1)  # [A, Hkv, L, 3]
+    k_live, v_live = (b.op("GatherND", cache, cache_rows) for cache in ("k_cache", "v_cache"))  # [A, Hkv, L, D]
     k_cache32 = b.op("Cast", b.op("Unsqueeze", k_live, ax2), to=TensorProto.FLOAT)  # [A, Hkv, 1, L, D]
     cache_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_cache32, perm=[0, 1, 2, 4, 3])), scale)
-    key_ids = b.op("Range", zero, b.op("Squeeze", live, ax0), one)
     cache_visible = b.op("Less", key_ids, b.op("Unsqueeze", active_len, last))  # [A, L]
     cache_mask = b.op("Unsqueeze", cache_visible, b.const([1, 2, 3]))  # [A, 1, 1, 1, Lmax]
     neg = b.const(NEG, np.float32)

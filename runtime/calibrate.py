@@ -26,22 +26,22 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     if not block or engine.manifest.drafter.get("confidence") is not True:
         raise DSparkError("calibration needs an engine whose drafter has a confidence head (a DSpark drafter)")
     engine.core.round_log = []
-    held_out: list[bool] = []
-    try:
-        for index, row in enumerate(rows):
-            seeded = replace(params, seed=index if params.seed is None else params.seed + index)
-            engine.generate(prompt_of(row), seeded, spec=f"fixed:{block}", truncate=True)
-            held_out += [index % 2 == 1] * (len(engine.core.round_log) - len(held_out))
+    try:  # all prompts at once: the engine batches them over its cache slots
+        requests = [engine.submit(prompt_of(row), replace(params, seed=index if params.seed is None else params.seed + index),
+                                  spec=f"fixed:{block}", truncate=True) for index, row in enumerate(rows)]
+        held_out_ids = {request.sequence.request_id for request in requests[1::2]}
+        for request in requests:
+            request.result()
             if progress:
                 progress()
         log = engine.core.round_log
     finally:
         engine.core.round_log = None
-    test = np.array(held_out)
+    test = np.array([request_id in held_out_ids for request_id, _, _ in log], dtype=bool)
     if min(test.sum(), (~test).sum()) < 50:
         raise DSparkError(f"only {len(log)} full verification rounds were collected; give more prompts or tokens")
-    all_logits = np.stack([entry[0] for entry in log])
-    all_accepted = np.array([entry[1] for entry in log])
+    all_logits = np.stack([logits for _, logits, _ in log])
+    all_accepted = np.array([accepted for _, _, accepted in log])
     temperatures = fit_sts(all_logits[~test], all_accepted[~test])
     logits, accepted = all_logits[test], all_accepted[test]
     report = {"rounds_fit": int((~test).sum()), "rounds_held_out": int(test.sum()), "temperature": params.temperature}

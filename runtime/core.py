@@ -18,7 +18,7 @@ import numpy as np
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.kv_cache import KVCache, SlotPool
 from dspark_runtime.sampling import target_rows
-from dspark_runtime.scheduler import AsyncScheduler, SpeedCurve, schedule_sync
+from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
@@ -55,12 +55,13 @@ class EngineCore:
         self.active: list[Sequence] = []
         self.sts = sts_temperatures
         self.set_curve(curve)
-        self.round_log: list[tuple[np.ndarray, int]] | None = None  # (confidence logits, accepted) when recording
+        self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
         self.seconds = {"step": 0.0, "schedule": 0.0}  # time spent in steps and, within them, in the scheduler
 
     def set_curve(self, curve: SpeedCurve | None) -> None:
         self.curve = curve
         self.async_scheduler = AsyncScheduler(curve, self.block) if curve is not None else None
+        self.gate = DraftGate(curve, self.block) if curve is not None else None
 
     # ---- admission ------------------------------------------------------------------------------
     def add(self, sequence: Sequence) -> None:
@@ -102,7 +103,7 @@ class EngineCore:
         self.target_cache.write(feeds["slot"], feeds["pos"], outputs)
         for row in rows:
             self._advance(row, outputs)
-        self._draft([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None])
+        self._draft(self._gated([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None]))
         for sequence in [s for s in self.active if s.finish_reason is not None]:
             self.release(sequence)
 
@@ -120,7 +121,7 @@ class EngineCore:
         for kind, group in scheduled.items():
             if not group:
                 continue
-            survival = np.stack([self._survival(s) for s in group])
+            survival = np.stack([s.survival for s in group])
             if kind == "sync":
                 chosen = schedule_sync(survival, self.curve, self.block)
             else:
@@ -131,12 +132,25 @@ class EngineCore:
             lengths[s.request_id] = max(0, min(lengths[s.request_id], room))
         return lengths
 
-    def _survival(self, sequence: Sequence) -> np.ndarray:
-        logits = sequence.confidence_logits
+    def _survival(self, logits: np.ndarray | None) -> np.ndarray:
         if logits is None:
             return np.ones(self.block)
         temperatures = self.sts if self.sts is not None else 1.0
         return np.cumprod(1.0 / (1.0 + np.exp(-logits / temperatures)))
+
+    def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
+        """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting
+        would not pay (their drafts are dropped, so the next step verifies nothing and runs no drafter)."""
+        scheduled = [s for s in sequences if s.spec.kind in ("sync", "async")]
+        if not scheduled or len(scheduled) < len(sequences):
+            return sequences  # a fixed:K request pays for the drafter call anyway
+        known = [s.survival for s in scheduled if s.survival is not None]
+        unknown = np.mean(known, axis=0) if known else np.ones(self.block)  # new requests: like the others
+        if self.gate.worth_drafting(np.stack([unknown if s.survival is None else s.survival for s in scheduled])):
+            return sequences
+        for s in scheduled:
+            s.drafts = s.draft_probs = s.confidence_logits = None
+        return []
 
     def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], dict[str, np.ndarray]]:
         ids, slots, positions, logit_index, rows = [], [], [], [], []
@@ -198,7 +212,7 @@ class EngineCore:
         else:
             accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
         if self.round_log is not None and row.drafts == self.block and s.confidence_logits is not None:
-            self.round_log.append((s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
+            self.round_log.append((s.request_id, s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
         if row.drafts:
             s.stats.rounds += 1
             s.stats.drafted += row.drafts
@@ -243,6 +257,7 @@ class EngineCore:
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
             s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
+            s.survival = self._survival(s.confidence_logits)
             s.drafter_len = s.target_len
             s.pending_features = []
 

@@ -36,6 +36,10 @@ class SpeedCurve:
     def steps_per_second(self, tokens: int, requests: int) -> float:
         return 1.0 / (self._lookup(self.draft_seconds, requests) + self._lookup(self.target_seconds, tokens))
 
+    def plain_steps_per_second(self, tokens: int) -> float:
+        """Steps per second when nothing was drafted: the target alone."""
+        return 1.0 / self._lookup(self.target_seconds, tokens)
+
 
 def candidates(survival: np.ndarray) -> list[tuple[float, int, int]]:
     """(a, j, r) with a > 0, best first; ties broken by position then request so prefixes stay ordered."""
@@ -63,13 +67,17 @@ def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = Non
     return lengths
 
 
-def capacity(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> int:
-    """Drafts worth verifying along the greedy path, searched globally (for `async`, on old confidences)."""
+def path_throughputs(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> np.ndarray:
+    """Θ after admitting the first k candidates of the greedy path, k = 0, 1, ..., every candidate."""
     requests, block = survival.shape
     path = candidates(survival[:, : (block if cap is None else min(cap, block))])
     gains = np.concatenate([[0.0], np.cumsum([a for a, _, _ in path])])
-    thetas = [(requests + gains[k]) * curve.steps_per_second(requests + k, requests) for k in range(len(path) + 1)]
-    return int(np.argmax(thetas))
+    return np.array([(requests + gains[k]) * curve.steps_per_second(requests + k, requests) for k in range(len(path) + 1)])
+
+
+def capacity(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> int:
+    """Drafts worth verifying along the greedy path, searched globally (for `async`, on old confidences)."""
+    return int(np.argmax(path_throughputs(survival, curve, cap)))
 
 
 def schedule_top_k(survival: np.ndarray, budget: int, cap: int | None = None) -> np.ndarray:
@@ -100,3 +108,31 @@ class AsyncScheduler:
         lengths = schedule_top_k(survival, budget, self.cap)
         self.pending.append(capacity(survival, self.curve, self.cap))
         return lengths
+
+
+class DraftGate:
+    """Whether the next step drafts at all for `sync`/`async` requests.
+
+    SPS(B; R) charges every speculative step the drafter's t_draft(R), while a step with nothing drafted
+    costs only t_target(R). After each step the gate compares the best expected throughput of drafting
+    (the greedy path over each request's latest prefix survivals, searched globally as for `async`) with
+    R·SPS_plain(R), and drafts only when drafting wins. While it does not, it still drafts after `probe`
+    plain steps, doubling the wait up to `max_probe` while drafting keeps losing, so the survivals stay
+    current. It decides from finished steps only, so verification stays lossless.
+    """
+
+    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe: int = 4, max_probe: int = 32):
+        self.curve, self.cap = curve, cap
+        self.probe, self.max_probe = probe, max_probe
+        self.wait, self.skipped = probe, 0
+
+    def worth_drafting(self, survival: np.ndarray) -> bool:
+        requests = survival.shape[0]
+        if path_throughputs(survival, self.curve, self.cap).max() > requests * self.curve.plain_steps_per_second(requests):
+            self.wait, self.skipped = self.probe, 0
+            return True
+        self.skipped += 1
+        if self.skipped <= self.wait:
+            return False
+        self.skipped, self.wait = 0, min(2 * self.wait, self.max_probe)
+        return True  # a probe

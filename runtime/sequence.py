@@ -27,6 +27,7 @@ class Stats:
         return {
             "tau": generated / self.steps if self.steps else 0.0,
             "steps": self.steps,
+            "rounds": self.rounds,
             "accepted_per_step": self.accepted / self.rounds if self.rounds else 0.0,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "tokens_per_s": (generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
@@ -50,6 +51,7 @@ class Sequence:
     drafts: np.ndarray | None = None  # [γ] proposed after the anchor
     draft_probs: np.ndarray | None = None  # [γ, V]
     confidence_logits: np.ndarray | None = None  # [γ]
+    survival: np.ndarray | None = None  # [γ] calibrated prefix survival of the latest drafts (kept while not drafting)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancelled: bool = False

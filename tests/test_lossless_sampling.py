@@ -4,6 +4,9 @@ verifier (resampling from p instead of the residual on rejection) fails the same
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -49,12 +52,16 @@ def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
     return joint
 
 
-def sample_pairs(engine, prompt_ids, params, spec) -> dict[tuple[int, int], int]:
+def sample_pairs(engine, prompt_ids, params, spec, rounds: list[int] | None = None) -> dict[tuple[int, int], int]:
+    """Counts of the first two generated tokens over SAMPLES seeds (and each request's verification rounds)."""
     requests = [engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec) for seed in range(SAMPLES)]
     counts: dict[tuple[int, int], int] = {}
     for request in requests:
-        pair = tuple(request.result().token_ids[:2])
+        result = request.result()
+        pair = tuple(result.token_ids[:2])
         counts[pair] = counts.get(pair, 0) + 1
+        if rounds is not None:
+            rounds.append(result.stats["rounds"])
     return counts
 
 
@@ -91,3 +98,20 @@ def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engi
 
         monkeypatch.setattr(core, "verify_sampled", no_residual)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) < 1e-6
+
+
+@pytest.mark.parametrize("spec", ["sync", "async"])
+def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec):
+    """`sync` and `async` on a curve that is flat up to 12 tokens and steep after: with eight requests
+    decoding in lockstep, only the four most confident drafts fit, so some requests verify a draft and others not."""
+    folder = tmp_path / "engine"
+    shutil.copytree(skewed_engine_dir, folder)
+    curve = {"target_seconds": [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)], "draft_seconds": [0.0001] * 8}
+    (folder / "hardware_curve.json").write_text(json.dumps(curve))
+    params = SETTINGS["T1"]
+    with Engine.load(folder, threads=1) as engine:
+        prompt = engine.tokenizer.encode("Hello there")
+        rounds: list[int] = []
+        assert p_value(sample_pairs(engine, prompt, params, spec, rounds), exact_joint(skewed_engine_dir, prompt, params)) > 1e-3
+    verified = sum(r > 0 for r in rounds)
+    assert 0.05 * SAMPLES < verified < 0.95 * SAMPLES, verified

@@ -99,14 +99,14 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
         committed = dict(length_now)
 
 
-def test_int8_vocabulary_projections_stay_close(tmp_path):
+def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributions(tmp_path):
     """The CPU engine's drafter quantizes its LM head and Markov output to int8: drafts move a little, and the
-    graph still returns the distribution each draft was drawn from."""
+    graph still returns the distribution each draft was drawn from; an all-greedy call returns none."""
 
     make_drafter(tmp_path, "dspark", "markov")
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
-    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", int8_vocab=int8)
+    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", cpu=int8)
               for int8 in (False, True)}
     quantized = onnx.load(str(graphs[True]), load_external_data=False)
     assert sum(node.op_type == "MatMulInteger" for node in quantized.graph.node) == 1 + BLOCK  # LM head + one per Markov step
@@ -123,3 +123,6 @@ def test_int8_vocabulary_projections_stay_close(tmp_path):
     assert np.abs(out[True][0][0, 0] - out[False][0][0, 0]).max() < 0.02  # the first draft's distribution
     assert np.abs(out[True][1][0, 0] - out[False][1][0, 0]) < 1e-5  # the confidence head is not quantized
     assert np.allclose(out[True][0].sum(-1), 1.0, atol=1e-5)
+    greedy = feeds | {"temperature": np.zeros(1, np.float32)}
+    tokens, probs = ort.InferenceSession(str(graphs[True])).run(["draft_tokens", "draft_probs"], greedy)
+    assert tokens.shape == (1, BLOCK) and probs.shape == (1, BLOCK, 0)

@@ -4,6 +4,7 @@ queueing and cancellation return every slot; bad requests fail alone; no torch i
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -228,6 +229,23 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
             plain = engine.generate(prompt, GREEDY, spec="off").token_ids
             for spec in ("sync", "async"):
                 assert engine.generate(prompt, GREEDY, spec=spec).token_ids == plain
+
+
+def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves(echo_engine_dir, tmp_path):
+    """With a drafter that costs ten target steps, `sync` and `async` run mostly plain steps (a probe now and
+    then) and stay lossless; with a free drafter they draft every step."""
+    folder = tmp_path / "engine"
+    shutil.copytree(echo_engine_dir, folder)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for draft_seconds, most_steps_draft in ((0.01, False), (0.0, True)):
+        curve = {"target_seconds": [0.001] * 256, "draft_seconds": [draft_seconds] * 8}
+        (folder / "hardware_curve.json").write_text(json.dumps(curve))
+        with Engine.load(folder, threads=1) as engine:
+            plain = engine.generate(PROMPTS[0], params, spec="off").token_ids
+            for spec in ("sync", "async"):
+                out = engine.generate(PROMPTS[0], params, spec=spec)
+                assert out.token_ids == plain
+                assert (out.stats["rounds"] > out.stats["steps"] // 2) == most_steps_draft, (spec, out.stats)
 
 
 def test_calibrate_command(tmp_path_factory):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduler import AsyncScheduler, SpeedCurve, candidates, capacity, schedule_sync, schedule_top_k
+from dspark_runtime.scheduler import (AsyncScheduler, DraftGate, SpeedCurve, candidates, capacity, path_throughputs,
+                                      schedule_sync, schedule_top_k)
 from dspark_runtime.verify import verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -53,6 +54,18 @@ def test_async_uses_capacity_from_two_steps_earlier():
     assert capacity(confident, curve) == 2
     assert scheduler.schedule(hopeless).sum() == 2  # K from step 1 (confident), choice from now
     assert scheduler.schedule(confident).sum() == capacity(hopeless, curve)
+
+
+def test_gate_drafts_only_when_drafting_pays_and_probes_with_backoff():
+    survival = np.cumprod(np.full((2, 3), 0.8), axis=1)  # a = .8, .64, .512 for each of two requests
+    target = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # flat: verifying is free
+    # Θ with all six drafts: (2 + 2·1.952) / (t_draft + 1); without drafting: 2 / 1
+    assert path_throughputs(survival, SpeedCurve(target, np.array([1.0, 1.0]))).max() == pytest.approx(5.904 / 2)
+    assert DraftGate(SpeedCurve(target, np.array([1.0, 1.0]))).worth_drafting(survival)
+    costly = DraftGate(SpeedCurve(target, np.array([2.0, 2.0])), probe=2, max_probe=4)  # 5.904 / 3 < 2
+    decisions = [costly.worth_drafting(survival) for _ in range(12)]
+    # two plain steps, a probe, then four (the wait doubles), a probe, then four again (capped)
+    assert decisions == [False, False, True, False, False, False, False, True, False, False, False, False]
 
 
 # ---- Appendix A (R = 1, γ = 2): scheduler decisions that peek at x1 break losslessness ------------
