@@ -18,6 +18,14 @@ def ece(predicted: np.ndarray, outcome: np.ndarray, bins: int = 20) -> float:
     return float(total / predicted.size)
 
 
+def ece_floor(predicted: np.ndarray, bins: int = 20, draws: int = 50, seed: int = 0) -> float:
+    """The ECE that a perfectly calibrated predictor shows on this many samples (median over `draws` sets of
+    outcomes drawn as Bernoulli(predicted)): a measured ECE near it is sampling noise, not miscalibration."""
+    predicted = np.asarray(predicted, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    return float(np.median([ece(predicted, rng.random(predicted.shape) < predicted, bins) for _ in range(draws)]))
+
+
 def auc(predicted: np.ndarray, outcome: np.ndarray) -> float:
     """Area under the ROC curve (the probability that a positive outranks a negative; ties count half)."""
     predicted, outcome = np.asarray(predicted, dtype=np.float64), np.asarray(outcome).astype(bool)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_calibration.metrics import auc, brier, ece
+from dspark_calibration.metrics import auc, brier, ece, ece_floor
 
 DEFAULT_GRID = np.geomspace(0.25, 8.0, 200)
 
@@ -42,7 +42,8 @@ def fit_sts(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT
 
 
 def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, bins: int = 20) -> dict:
-    """Per-position ECE, AUC and Brier of the prefix survival before (T = 1) and after STS."""
+    """Per-position ECE, AUC and Brier of the prefix survival before (T = 1) and after STS, and the ECE a
+    perfectly calibrated predictor would show on as many rounds (`ece_floor`, after STS)."""
     block = np.asarray(logits).shape[1]
     outcomes = prefix_outcomes(accepted, block)
     report: dict = {"temperatures": [round(float(t), 4) for t in temperatures]}
@@ -53,4 +54,5 @@ def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: n
             "auc": [round(auc(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
             "brier": [round(brier(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
         }
+    report["after"]["ece_floor"] = [round(ece_floor(predicted[:, k], bins), 5) for k in range(block)]
     return report

@@ -13,7 +13,7 @@ from dspark_calibration.plots import reliability_png
 from dspark_calibration.sts import calibration_report, fit_sts
 from dspark_runtime.bench import prompt_of
 from dspark_runtime.engine import Engine
-from dspark_runtime.engine_dir import CALIBRATION
+from dspark_runtime.engine_dir import CALIBRATION, read_calibration
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.sampling import SamplingParams
 
@@ -21,7 +21,11 @@ from dspark_runtime.sampling import SamplingParams
 def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bool = True,
               progress: Callable[[], None] | None = None) -> dict:
     """Run every prompt verifying all γ drafts, fit the temperatures on the rounds of even-numbered prompts,
-    report the metrics on the rounds of the odd-numbered ones (held out), save and apply the temperatures."""
+    report the metrics on the rounds of the odd-numbered ones (held out), save and apply the temperatures.
+
+    Acceptance depends on the sampling temperature (greedy accepts more), so calibration.json keeps one fit
+    per sampling temperature and requests use the fit nearest their own.
+    """
     block = engine.core.block
     if not block or engine.manifest.drafter.get("confidence") is not True:
         raise DSparkError("calibration needs an engine whose drafter has a confidence head (a DSpark drafter)")
@@ -46,9 +50,12 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     logits, accepted = all_logits[test], all_accepted[test]
     report = {"rounds_fit": int((~test).sum()), "rounds_held_out": int(test.sum()), "temperature": params.temperature}
     report |= calibration_report(logits, accepted, temperatures)
-    (engine.folder / CALIBRATION).write_text(json.dumps(report, indent=1) + "\n")
+    by_temperature = read_calibration(engine.folder) | {params.temperature: report}
+    file = {"by_temperature": {str(t): entry for t, entry in sorted(by_temperature.items())}}
+    (engine.folder / CALIBRATION).write_text(json.dumps(file, indent=1) + "\n")
     if plot:
         report["plot"] = str(engine.folder / "calibration.png") if reliability_png(
             logits, accepted, temperatures, engine.folder / "calibration.png") else None
-    engine.core.sts = temperatures
+    engine.core.sts = {t: np.asarray(entry["temperatures"]) for t, entry in by_temperature.items()}
     return report
+

@@ -64,7 +64,7 @@ def summary_line(stats: dict) -> str:
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ctx", type=click.IntRange(min=16), default=None, help="Tokens of history kept (default: the engine's context).")
-@click.option("--spec", default=None, help="off, fixed:K, sync or async (default: fixed at the drafter's γ).")
+@click.option("--spec", default=None, help="off, fixed:K, sync or async (default: async once the engine is profiled, else fixed at γ).")
 @click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)

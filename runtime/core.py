@@ -41,7 +41,7 @@ class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
     def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, emit: Callable[[Sequence, list[int]], None],
-                 curve: SpeedCurve | None = None, sts_temperatures: np.ndarray | None = None):
+                 curve: SpeedCurve | None = None, sts: dict[float, np.ndarray] | None = None):
         target = manifest.target
         self.manifest = manifest
         self.run_target, self.run_drafter, self.emit = run_target, run_drafter, emit
@@ -53,7 +53,7 @@ class EngineCore:
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
-        self.sts = sts_temperatures
+        self.sts = sts  # STS temperatures by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
         self.seconds = {"step": 0.0, "schedule": 0.0}  # time spent in steps and, within them, in the scheduler
@@ -132,11 +132,12 @@ class EngineCore:
             lengths[s.request_id] = max(0, min(lengths[s.request_id], room))
         return lengths
 
-    def _survival(self, logits: np.ndarray | None) -> np.ndarray:
+    def _survival(self, logits: np.ndarray | None, temperature: float) -> np.ndarray:
+        """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
         if logits is None:
             return np.ones(self.block)
-        temperatures = self.sts if self.sts is not None else 1.0
-        return np.cumprod(1.0 / (1.0 + np.exp(-logits / temperatures)))
+        scales = self.sts[min(self.sts, key=lambda t: abs(t - temperature))] if self.sts else 1.0
+        return np.cumprod(1.0 / (1.0 + np.exp(-logits / scales)))
 
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
         """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting
@@ -146,7 +147,8 @@ class EngineCore:
             return sequences  # a fixed:K request pays for the drafter call anyway
         known = [s.survival for s in scheduled if s.survival is not None]
         unknown = np.mean(known, axis=0) if known else np.ones(self.block)  # new requests: like the others
-        if self.gate.worth_drafting(np.stack([unknown if s.survival is None else s.survival for s in scheduled])):
+        survival = np.stack([unknown if s.survival is None else s.survival for s in scheduled])
+        if self.gate.worth_drafting(survival, sum(s.target_len - s.drafter_len for s in scheduled)):
             return sequences
         for s in scheduled:
             s.drafts = s.draft_probs = s.confidence_logits = None
@@ -199,12 +201,12 @@ class EngineCore:
             s.prefilled += row.count
             s.target_len = s.prefilled
             if row.logit_count:
-                processed = target_rows(logits, s.history, np.zeros(0, np.int64), s.params)
+                processed = target_rows(logits, s.penalty_history, np.zeros(0, np.int64), s.params)
                 token = int(np.argmax(processed[0])) if s.params.greedy else sample(processed[0], s.rng)
                 self._emit(s, [token])
             return
         drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
-        processed = target_rows(logits, s.history, drafts, s.params)
+        processed = target_rows(logits, s.penalty_history, drafts, s.params)
         if s.params.greedy:
             accepted, token = verify_greedy(processed.argmax(-1), drafts)
         elif row.drafts == 0:
@@ -257,7 +259,7 @@ class EngineCore:
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
             s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
-            s.survival = self._survival(s.confidence_logits)
+            s.survival = self._survival(s.confidence_logits, s.params.temperature)
             s.drafter_len = s.target_len
             s.pending_features = []
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark_runtime.backend import open_graphs
 from dspark_runtime.core import EngineCore
-from dspark_runtime.engine_dir import CALIBRATION, HARDWARE_CURVE, read_manifest
+from dspark_runtime.engine_dir import HARDWARE_CURVE, read_calibration, read_manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
@@ -111,7 +111,7 @@ class Engine:
         from dspark_runtime.profiling import profile
 
         curve = profile(self.core, self.folder, context, repeats, progress)
-        self.core.set_curve(SpeedCurve(np.asarray(curve["target_seconds"]), np.asarray(curve["draft_seconds"])))
+        self.core.set_curve(SpeedCurve.from_json(curve))
         return curve
 
     # ---- submission -----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class Engine:
                truncate: bool = False) -> Request:
         """Queue a request; it starts as soon as a cache slot is free."""
         params = params or SamplingParams()
-        mode = SpecMode.parse(spec, self.core.block)
+        mode = SpecMode.parse(spec, self.core.block, scheduled=self.core.curve is not None)
         if mode.drafting and not self.core.block:
             raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
         if mode.kind in ("sync", "async") and self.core.curve is None:
@@ -250,12 +250,12 @@ def _load_curve(folder: Path) -> SpeedCurve | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    return SpeedCurve(np.asarray(data["target_seconds"]), np.asarray(data["draft_seconds"]))
+    return SpeedCurve.from_json(data)
 
 
-def _load_calibration(folder: Path) -> np.ndarray | None:
-    file = folder / CALIBRATION
-    return np.asarray(json.loads(file.read_text())["temperatures"]) if file.is_file() else None
+def _load_calibration(folder: Path) -> dict[float, np.ndarray] | None:
+    reports = read_calibration(folder)
+    return {t: np.asarray(report["temperatures"]) for t, report in reports.items()} or None
 
 
 def _demo_engine() -> Path:

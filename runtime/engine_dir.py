@@ -13,7 +13,7 @@ from typing import Any
 
 from dspark_runtime.errors import DSparkError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the op body gathers live cache rows only; CPU drafters skip greedy distributions
 MANIFEST = "manifest.json"
 TARGET_GRAPH = "target.onnx"
 DRAFTER_GRAPH = "drafter.onnx"
@@ -84,3 +84,15 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
             if file_digest(path) != expected:
                 raise EngineError(f"{name} in {folder} changed after the build; rebuild the engine with `dspark-export build --force`")
     return manifest
+
+
+def read_calibration(folder: Path) -> dict[float, dict]:
+    """calibration.json's reports by sampling temperature ({} without one); a file from before per-temperature
+    calibration holds one report at its top level."""
+    file = folder / CALIBRATION
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text())
+    if "by_temperature" not in data:
+        return {float(data.get("temperature", 1.0)): data}
+    return {float(t): entry for t, entry in data["by_temperature"].items()}

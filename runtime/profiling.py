@@ -2,7 +2,8 @@
 
 SPS(B; R) = 1 / (t_draft(R) + t_target(B)) then drives the `sync` and `async` schedulers. The target is
 timed with B new tokens spread over min(B, S) requests, each with `context` cached positions; the
-drafter with R requests, each bringing a few new context positions.
+drafter with R requests, each bringing a few new context positions, and once with many more, for the cost
+of each further position (what a drafter call pays to catch up after steps that did not draft).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_calibration.timing import cost_table
+from dspark_calibration.timing import cost_table, median_seconds
 from dspark_runtime.core import EngineCore
 from dspark_runtime.engine_dir import HARDWARE_CURVE
+from dspark_runtime.scheduler import PROFILED_CONTEXT_ROWS
 
 
 def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -32,7 +34,7 @@ def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.nd
             "cache_len": cache_len, "logit_index": np.arange(tokens, dtype=np.int64)} | core.target_cache.feeds()
 
 
-def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = 3) -> dict[str, np.ndarray]:
+def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> dict[str, np.ndarray]:
     features = len(core.manifest.feature_layers) * core.manifest.target["hidden_size"]
     slots = np.arange(requests)
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
@@ -59,12 +61,18 @@ def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7
     target = cost_table(range(1, manifest.max_batch_tokens + 1),
                         lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
                         progress and (lambda n: progress("target", n)))
-    draft = np.zeros(manifest.cache_slots)
+    draft, per_row = np.zeros(manifest.cache_slots), 0.0
     if core.block:
         draft = cost_table(range(1, manifest.cache_slots + 1),
                            lambda r: lambda: core.run_drafter(drafter_feeds(core, r, context)), repeats,
                            progress and (lambda n: progress("drafter", n)))
+        # what each further new context position costs (a drafter call after plain steps reads them all)
+        requests, extra = min(4, manifest.cache_slots), 32
+        feeds = drafter_feeds(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
+        long = median_seconds(lambda: core.run_drafter(feeds), repeats)
+        per_row = max(0.0, float(long - draft[requests - 1]) / (extra * requests))
     curve = {"target_seconds": [round(float(t), 7) for t in target], "draft_seconds": [round(float(t), 7) for t in draft],
+             "draft_seconds_per_context_row": round(per_row, 9),
              "context": context, "repeats": repeats, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
     (folder / HARDWARE_CURVE).write_text(json.dumps(curve, indent=1) + "\n")
     return curve

@@ -74,33 +74,31 @@ def penalise(logits: np.ndarray, history: np.ndarray, params: SamplingParams) ->
 
 
 def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """softmax(logits / T) restricted by top-k, top-p and min-p; float64 [V] summing to 1."""
+    """softmax(logits / T) restricted by top-k, top-p and min-p, along the last axis; float64 rows summing to 1."""
     scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    keep = np.ones(len(probs), dtype=bool)
-    if params.top_k and params.top_k < len(probs):
-        threshold = np.partition(probs, -params.top_k)[-params.top_k]
-        keep &= probs >= threshold
+    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    keep = np.ones(probs.shape, dtype=bool)
+    if params.top_k and params.top_k < probs.shape[-1]:
+        keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
     if params.top_p < 1:
-        order = np.argsort(-probs, kind="stable")
-        before = np.cumsum(probs[order]) - probs[order]  # mass strictly above each token
-        nucleus = np.zeros(len(probs), dtype=bool)
-        nucleus[order[before < params.top_p]] = True
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, -1)
+        nucleus = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(nucleus, order, np.cumsum(ranked, -1) - ranked < params.top_p, -1)  # mass strictly above
         keep &= nucleus
     if params.min_p > 0:
-        keep &= probs >= params.min_p * probs.max()
+        keep &= probs >= params.min_p * probs.max(-1, keepdims=True)
     probs = np.where(keep, probs, 0.0)
-    return probs / probs.sum()
+    return probs / probs.sum(-1, keepdims=True)
 
 
 def target_rows(logits: np.ndarray, history: np.ndarray, drafts: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Processed target rows for verification: row k sees history + drafts[:k] (penalties) -> [k+1, V].
 
-    Greedy: float64 logits after penalties (the caller takes argmax). Sampling: probabilities.
+    Greedy: the logits after penalties (the caller takes argmax). Sampling: float64 probabilities. Only
+    penalties read `history`.
     """
-    rows = []
-    for k in range(len(logits)):
-        row = penalise(logits[k], np.concatenate([history, drafts[:k]]) if params.penalised else history, params)
-        rows.append(row.astype(np.float64) if params.greedy else truncated_distribution(row, params))
-    return np.stack(rows)
+    if params.penalised:
+        logits = np.stack([penalise(logits[k], np.concatenate([history, drafts[:k]]), params) for k in range(len(logits))])
+    return logits if params.greedy else truncated_distribution(logits, params)

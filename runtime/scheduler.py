@@ -19,26 +19,44 @@ from dataclasses import dataclass
 import numpy as np
 
 
+PROFILED_CONTEXT_ROWS = 3  # new context positions per request in the drafter's profiled calls
+
+
 @dataclass(frozen=True)
 class SpeedCurve:
-    """Measured step costs: target_seconds[B - 1] for B tokens, draft_seconds[R - 1] for R requests."""
+    """Measured step costs: target_seconds[B - 1] for B tokens, draft_seconds[R - 1] for R requests (each
+    bringing PROFILED_CONTEXT_ROWS new context positions), and the drafter's cost per further position."""
 
     target_seconds: np.ndarray
     draft_seconds: np.ndarray
+    draft_seconds_per_context_row: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SpeedCurve":
+        return cls(np.asarray(data["target_seconds"]), np.asarray(data["draft_seconds"]),
+                   float(data.get("draft_seconds_per_context_row", 0.0)))
 
     @staticmethod
-    def _lookup(table: np.ndarray, index: int) -> float:
-        if index <= len(table):
-            return float(table[max(index, 1) - 1])
-        slope = float(table[-1] - table[-2]) if len(table) > 1 else float(table[-1])
-        return float(table[-1]) + slope * (index - len(table))  # linear beyond the measured range
+    def _lookup(table: np.ndarray, index):
+        """table[index - 1] for an int or an array of them, linear beyond the measured range."""
+        index, size = np.asarray(index), len(table)
+        if index.max() <= size:  # the usual case, and the cheap one (the gate asks every step)
+            return table[np.maximum(index, 1) - 1]
+        slope = table[-1] - table[-2] if size > 1 else table[-1]
+        return np.where(index <= size, table[np.minimum(np.maximum(index, 1), size) - 1], table[-1] + slope * (index - size))
 
-    def steps_per_second(self, tokens: int, requests: int) -> float:
-        return 1.0 / (self._lookup(self.draft_seconds, requests) + self._lookup(self.target_seconds, tokens))
+    def draft_time(self, requests: int, context_rows: int | None = None) -> float:
+        """t_draft(R), plus the catch-up of context rows beyond what the profile fed (after plain steps)."""
+        extra = 0 if context_rows is None else max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
+        return float(self._lookup(self.draft_seconds, requests)) + self.draft_seconds_per_context_row * extra
+
+    def steps_per_second(self, tokens, requests: int, context_rows: int | None = None):
+        """SPS(B; R) for B = `tokens` (an int or an array)."""
+        return 1.0 / (self.draft_time(requests, context_rows) + self._lookup(self.target_seconds, tokens))
 
     def plain_steps_per_second(self, tokens: int) -> float:
         """Steps per second when nothing was drafted: the target alone."""
-        return 1.0 / self._lookup(self.target_seconds, tokens)
+        return float(1.0 / self._lookup(self.target_seconds, tokens))
 
 
 def candidates(survival: np.ndarray) -> list[tuple[float, int, int]]:
@@ -67,12 +85,13 @@ def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = Non
     return lengths
 
 
-def path_throughputs(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> np.ndarray:
+def path_throughputs(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None,
+                     context_rows: int | None = None) -> np.ndarray:
     """Θ after admitting the first k candidates of the greedy path, k = 0, 1, ..., every candidate."""
     requests, block = survival.shape
-    path = candidates(survival[:, : (block if cap is None else min(cap, block))])
-    gains = np.concatenate([[0.0], np.cumsum([a for a, _, _ in path])])
-    return np.array([(requests + gains[k]) * curve.steps_per_second(requests + k, requests) for k in range(len(path) + 1)])
+    a = survival[:, : (block if cap is None else min(cap, block))]
+    gains = np.concatenate([[0.0], np.cumsum(np.sort(a[a > 0])[::-1])])  # the path takes the largest a first
+    return (requests + gains) * curve.steps_per_second(requests + np.arange(len(gains)), requests, context_rows)
 
 
 def capacity(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) -> int:
@@ -113,8 +132,8 @@ class AsyncScheduler:
 class DraftGate:
     """Whether the next step drafts at all for `sync`/`async` requests.
 
-    SPS(B; R) charges every speculative step the drafter's t_draft(R), while a step with nothing drafted
-    costs only t_target(R). After each step the gate compares the best expected throughput of drafting
+    SPS(B; R) charges every speculative step the drafter's t_draft(R) (with the catch-up of the context it
+    has not read yet), while a step with nothing drafted costs only t_target(R). After each step the gate compares the best expected throughput of drafting
     (the greedy path over each request's latest prefix survivals, searched globally as for `async`) with
     R·SPS_plain(R), and drafts only when drafting wins. While it does not, it still drafts after `probe`
     plain steps, doubling the wait up to `max_probe` while drafting keeps losing, so the survivals stay
@@ -126,9 +145,11 @@ class DraftGate:
         self.probe, self.max_probe = probe, max_probe
         self.wait, self.skipped = probe, 0
 
-    def worth_drafting(self, survival: np.ndarray) -> bool:
+    def worth_drafting(self, survival: np.ndarray, context_rows: int | None = None) -> bool:
+        """`context_rows`: the target positions the drafter has not yet read (its call's catch-up cost)."""
         requests = survival.shape[0]
-        if path_throughputs(survival, self.curve, self.cap).max() > requests * self.curve.plain_steps_per_second(requests):
+        drafting = path_throughputs(survival, self.curve, self.cap, context_rows).max()
+        if drafting > requests * self.curve.plain_steps_per_second(requests):
             self.wait, self.skipped = self.probe, 0
             return True
         self.skipped += 1

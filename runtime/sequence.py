@@ -70,3 +70,8 @@ class Sequence:
     def history(self) -> np.ndarray:
         """Every token so far (prompt and generated, the anchor included), for penalties."""
         return np.asarray(self.prompt + self.generated, dtype=np.int64)
+
+    @property
+    def penalty_history(self) -> np.ndarray:
+        """`history` when a penalty reads it, else empty (building it costs O(context) per step)."""
+        return self.history if self.params.penalised else np.zeros(0, np.int64)

@@ -15,10 +15,13 @@ class SpecMode:
     drafts: int = 0  # K for fixed:K
 
     @classmethod
-    def parse(cls, text: str | None, default_block: int) -> "SpecMode":
-        """`off`, `fixed:K`, `sync`, `async`; None means fixed at the drafter's γ (or off without a drafter)."""
+    def parse(cls, text: str | None, default_block: int, scheduled: bool = False) -> "SpecMode":
+        """`off`, `fixed:K`, `sync`, `async`. None: `async` when the engine can schedule (a drafter and a speed
+        curve: it drafts only when that pays), else fixed at the drafter's γ, or off without a drafter."""
         if text is None:
-            return cls("fixed", default_block) if default_block else cls("off")
+            if not default_block:
+                return cls("off")
+            return cls("async") if scheduled else cls("fixed", default_block)
         kind, _, value = text.partition(":")
         if kind not in MODES or (kind == "fixed") != bool(value):
             raise InvalidRequestError(f"unknown speculation mode {text!r}; use off, fixed:K, sync or async")

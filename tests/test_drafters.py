@@ -179,6 +179,8 @@ def test_greedy_speculative_generation_equals_target_greedy(target, kind):
     assert generation.tokens == ids[0, len(prompt):].tolist()
     summary = summarize(generation.rounds, block=4)
     assert 1.0 <= summary["tau"] <= 5.0 and len(summary["per_position_acceptance"]) == 4
+    for r in generation.rounds:  # greedy: the true acceptance is 1 up to the first mismatch, which has 0
+        assert r.acceptance[: r.accepted] == [1.0] * r.accepted and (r.accepted == 4 or r.acceptance[r.accepted] == 0.0)
 
 
 def test_a_drafter_equal_to_the_target_is_always_accepted(target):

@@ -223,7 +223,7 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
     assert result.exit_code == 0, result.output
     curve = json.loads((engine_dir / "hardware_curve.json").read_text())
     assert len(curve["target_seconds"]) == 256 and np.all(np.diff(curve["target_seconds"]) >= 0)
-    assert len(curve["draft_seconds"]) == 8
+    assert len(curve["draft_seconds"]) == 8 and curve["draft_seconds_per_context_row"] >= 0
     with Engine.load(engine_dir, threads=1) as engine:
         for prompt in PROMPTS[:3]:
             plain = engine.generate(prompt, GREEDY, spec="off").token_ids
@@ -261,7 +261,13 @@ def test_calibrate_command(tmp_path_factory):
     assert result.exit_code == 0, result.output
     report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
     assert len(report["temperatures"]) == 3 and min(report["rounds_fit"], report["rounds_held_out"]) >= 50
-    assert json.loads((engine_dir / "calibration.json").read_text())["temperatures"] == report["temperatures"]
+    saved = json.loads((engine_dir / "calibration.json").read_text())["by_temperature"]
+    assert saved["1.0"]["temperatures"] == report["temperatures"]
+    greedy = CliRunner().invoke(main, ["calibrate", str(engine_dir), "--prompts", str(prompts), "--max-tokens", "24",
+                                       "--threads", "1", "--temperature", "0", "--json"])
+    assert greedy.exit_code == 0, greedy.output
+    with Engine.load(engine_dir, threads=1, profile=False) as engine:  # one fit per sampling temperature
+        assert sorted(engine.core.sts) == [0.0, 1.0] and engine.core.sts[1.0].tolist() == report["temperatures"]
 
 
 def test_a_full_context_finishes_with_length(engine):

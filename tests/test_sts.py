@@ -21,6 +21,17 @@ def test_sts_recovers_the_temperature_and_fixes_calibration():
     assert np.all(np.abs(temperatures[:2] - 2.5) < 0.3) and np.all(np.abs(temperatures - 2.5) < 0.8), temperatures
     report = calibration_report(logits, accepted, temperatures)
     assert max(report["after"]["ece"]) < 0.02 < min(report["before"]["ece"])
+    # once calibrated, what is left is sampling noise: about what a perfect predictor shows on as many rounds
+    floor, after = np.array(report["after"]["ece_floor"]), np.array(report["after"]["ece"])
+    assert np.all(floor > 0) and np.all(after < 2.5 * floor + 0.002), (after, floor)
+
+
+def test_ece_floor_shrinks_with_more_rounds():
+    from dspark_calibration.metrics import ece_floor
+
+    rng = np.random.default_rng(1)
+    small, large = ece_floor(rng.uniform(0, 1, 500)), ece_floor(rng.uniform(0, 1, 50_000))
+    assert 0.01 < small < 0.06 and large < small / 5
 
 
 def test_temperatures_preserve_ranking_within_a_position():

@@ -86,3 +86,19 @@ def test_sampled_chain_matches_the_target_and_broken_rules_fail():
     assert p_value(first_two_tokens(verify_sampled, samples, seed=1)) > 1e-3
     assert p_value(first_two_tokens(reject_from_target, samples, seed=2)) < 1e-6
     assert p_value(first_two_tokens(always_accept, samples, seed=3)) < 1e-6
+
+
+def test_truncation_rules_row_by_row_and_batched():
+    from dspark_runtime.sampling import SamplingParams, truncated_distribution
+
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    cases = [(dict(top_k=2), [0.4, 0.3, 0, 0]), (dict(top_p=0.6), [0.4, 0.3, 0, 0]), (dict(top_p=0.75), [0.4, 0.3, 0.2, 0]),
+             (dict(min_p=0.5), [0.4, 0.3, 0.2, 0]), (dict(top_k=3, min_p=0.6), [0.4, 0.3, 0, 0]), ({}, [0.4, 0.3, 0.2, 0.1])]
+    batch = np.stack([logits, logits[::-1], logits[[2, 0, 3, 1]]])
+    for options, kept in cases:
+        params = SamplingParams(temperature=1.0, **options)
+        assert np.allclose(truncated_distribution(logits, params), np.array(kept) / sum(kept)), options
+        rows = truncated_distribution(batch, params)
+        assert np.allclose(rows, np.stack([truncated_distribution(row, params) for row in batch])), options
+    sharp = truncated_distribution(logits, SamplingParams(temperature=0.5))
+    assert np.allclose(sharp, np.array([16, 9, 4, 1]) / 30)

@@ -25,6 +25,7 @@ class RoundRecord:
     accepted: int  # drafts kept
     drafted: int  # drafts proposed (γ)
     confidence: list[float]  # the drafter's per-position confidences
+    acceptance: list[float]  # each draft's true conditional acceptance probability (1 - TV; 0/1 when greedy)
 
 
 @dataclass
@@ -61,7 +62,8 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
         verify = target(block, torch.arange(length, length + config.block + 1)[None], config.feature_layers, use_cache=True)
         accepted, token = verify_drafts(verify.logits[0].float(), draft, temperature, rng)
         new = draft.tokens[0, :accepted].tolist() + [token]
-        result.rounds.append(RoundRecord(accepted, config.block, draft.confidence[0].tolist()))
+        result.rounds.append(RoundRecord(accepted, config.block, draft.confidence[0].tolist(),
+                                         acceptance_probabilities(verify.logits[0].float(), draft, temperature)))
         step_features = torch.cat([verify.features[layer] for layer in config.feature_layers], -1)
         features = torch.cat([features, step_features[:, : accepted + 1]], 1)
         committed = torch.cat([committed, torch.tensor([new])], 1)
@@ -82,6 +84,16 @@ def verify_drafts(logits: torch.Tensor, draft, temperature: float, rng: np.rando
     return verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, rng)
 
 
+def acceptance_probabilities(logits: torch.Tensor, draft, temperature: float) -> list[float]:
+    """P(draft k accepted | drafts before it accepted): Σ_x min(p_k, q_k) = 1 - TV(p_k, q_k) when sampling,
+    and whether it equals the target's argmax when greedy. The best any confidence head could predict."""
+    drafts = draft.tokens[0]
+    if temperature == 0:
+        return (logits[: len(drafts)].argmax(-1) == drafts).float().tolist()
+    target_probs = torch.softmax(logits[: len(drafts)] / temperature, -1)
+    return (1 - 0.5 * (target_probs - draft.probs[0].float()).abs().sum(-1)).clamp(0, 1).tolist()
+
+
 def verify_token(logits: torch.Tensor, temperature: float, rng: np.random.Generator) -> int:
     """A plain target step (no drafts): the argmax, or a sample at the temperature."""
     if temperature == 0:
@@ -97,6 +109,7 @@ def summarize(rounds: list[RoundRecord], block: int) -> dict:
     conditional = np.divide(passed, reached, out=np.full(block, np.nan), where=reached > 0)
     confidence = np.array([r.confidence for r in rounds])  # [rounds, γ]
     survival = np.cumprod(confidence, 1)  # a_k = Π_{i≤k} c_i
+    oracle = np.cumprod(np.array([r.acceptance for r in rounds]), 1)  # the true prefix-survival probability
     prefix = accepted[:, None] > np.arange(block)[None]  # realised: positions 0..k all accepted
     return {
         "rounds": len(rounds),
@@ -105,6 +118,7 @@ def summarize(rounds: list[RoundRecord], block: int) -> dict:
         "per_position_acceptance": [round(float(x), 4) for x in conditional],
         "ece": [round(ece(survival[:, k], prefix[:, k]), 4) for k in range(block)],
         "auc": [round(auc(survival[:, k], prefix[:, k]), 4) for k in range(block)],
+        "auc_oracle": [round(auc(oracle[:, k], prefix[:, k]), 4) for k in range(block)],  # the ceiling for "auc"
     }
 
 
