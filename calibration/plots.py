@@ -9,8 +9,8 @@ import numpy as np
 from dspark_calibration.sts import prefix_outcomes, survival
 
 
-def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, file: str | Path,
-                    bins: int = 20) -> bool:
+def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, biases: np.ndarray,
+                    file: str | Path, bins: int = 20) -> bool:
     """Write the diagram; returns False (and writes nothing) when matplotlib is not installed."""
     try:
         import matplotlib
@@ -22,8 +22,8 @@ def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.n
     block = logits.shape[1]
     outcomes = prefix_outcomes(accepted, block)
     figure, axes = plt.subplots(1, 2, figsize=(9, 4), dpi=110, sharey=True)
-    for axis, (title, temps) in zip(axes, [("raw", np.ones(block)), ("after STS", temperatures)]):
-        predicted = survival(logits, temps)
+    for axis, (title, temps, offsets) in zip(axes, [("raw", np.ones(block), 0.0), ("after STS", temperatures, biases)]):
+        predicted = survival(logits, temps, offsets)
         for k in range(block):
             index = np.minimum((predicted[:, k] * bins).astype(int), bins - 1)
             filled = [b for b in range(bins) if (index == b).any()]

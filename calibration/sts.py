@@ -2,6 +2,10 @@
 for the temperature T_k on the confidence logit that minimises the ECE of the cumulative product
 Π_{i≤k} σ(z_i / T_i) against the realised indicator "drafts 1..k were all accepted", with the earlier
 temperatures fixed. σ(z / T) is monotone in z, so the ranking within a position is preserved.
+
+Optionally (beyond the paper) each position also gets an offset, σ(z_k / T_k + b_k), found by the same
+search over a grid of (T, b): a temperature cannot move confidences across 0.5, which is what greedy
+requests need (they accept far more often than the T=1 acceptance the head was trained on).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import numpy as np
 from dspark_calibration.metrics import auc, brier, ece, ece_floor
 
 DEFAULT_GRID = np.geomspace(0.25, 8.0, 200)
+DEFAULT_BIASES = np.linspace(-4.0, 4.0, 33)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -22,33 +27,38 @@ def prefix_outcomes(accepted: np.ndarray, block: int) -> np.ndarray:
     return np.asarray(accepted)[:, None] > np.arange(block)[None, :]
 
 
-def survival(logits: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
-    """Prefix-survival a_k = Π_{i≤k} σ(z_i / T_i), [n, γ]."""
-    return np.cumprod(sigmoid(np.asarray(logits, dtype=np.float64) / temperatures), axis=1)
+def survival(logits: np.ndarray, temperatures: np.ndarray, biases: np.ndarray | float = 0.0) -> np.ndarray:
+    """Prefix-survival a_k = Π_{i≤k} σ(z_i / T_i + b_i), [n, γ]."""
+    return np.cumprod(sigmoid(np.asarray(logits, dtype=np.float64) / temperatures + biases), axis=1)
 
 
-def fit_sts(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT_GRID, bins: int = 20) -> np.ndarray:
-    """Temperatures [γ] from confidence logits [n, γ] and accepted counts [n] of real verification rounds."""
+def fit_sts(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT_GRID, bins: int = 20,
+            biases: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(temperatures [γ], offsets [γ]) from confidence logits [n, γ] and accepted counts [n] of real rounds;
+    the offsets are 0 unless a grid of `biases` is given."""
     logits = np.asarray(logits, dtype=np.float64)
     block = logits.shape[1]
     outcomes = prefix_outcomes(accepted, block)
-    temperatures = np.ones(block)
+    offsets = np.zeros(1) if biases is None else np.asarray(biases, dtype=np.float64)
+    temperatures, chosen = np.ones(block), np.zeros(block)
     running = np.ones(len(logits))
     for k in range(block):
-        errors = [ece(running * sigmoid(logits[:, k] / t), outcomes[:, k], bins) for t in grid]
-        temperatures[k] = grid[int(np.argmin(errors))]
-        running = running * sigmoid(logits[:, k] / temperatures[k])
-    return temperatures
+        errors = [[ece(running * sigmoid(logits[:, k] / t + b), outcomes[:, k], bins) for b in offsets] for t in grid]
+        best_t, best_b = np.unravel_index(int(np.argmin(errors)), (len(grid), len(offsets)))
+        temperatures[k], chosen[k] = grid[best_t], offsets[best_b]
+        running = running * sigmoid(logits[:, k] / temperatures[k] + chosen[k])
+    return temperatures, chosen
 
 
-def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, bins: int = 20) -> dict:
+def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, biases: np.ndarray,
+                       bins: int = 20) -> dict:
     """Per-position ECE, AUC and Brier of the prefix survival before (T = 1) and after STS, and the ECE a
     perfectly calibrated predictor would show on as many rounds (`ece_floor`, after STS)."""
     block = np.asarray(logits).shape[1]
     outcomes = prefix_outcomes(accepted, block)
-    report: dict = {"temperatures": [round(float(t), 4) for t in temperatures]}
-    for name, temps in (("before", np.ones(block)), ("after", temperatures)):
-        predicted = survival(logits, temps)
+    report: dict = {"temperatures": [round(float(t), 4) for t in temperatures], "biases": [round(float(b), 4) for b in biases]}
+    for name, temps, offsets in (("before", np.ones(block), 0.0), ("after", temperatures, biases)):
+        predicted = survival(logits, temps, offsets)
         report[name] = {
             "ece": [round(ece(predicted[:, k], outcomes[:, k], bins), 5) for k in range(block)],
             "auc": [round(auc(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],

@@ -10,21 +10,22 @@ from typing import Callable
 import numpy as np
 
 from dspark_calibration.plots import reliability_png
-from dspark_calibration.sts import calibration_report, fit_sts
+from dspark_calibration.sts import DEFAULT_BIASES, calibration_report, fit_sts
 from dspark_runtime.bench import prompt_of
 from dspark_runtime.engine import Engine
-from dspark_runtime.engine_dir import CALIBRATION, read_calibration
+from dspark_runtime.engine_dir import CALIBRATION, read_calibration, sts_by_temperature
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.sampling import SamplingParams
 
 
 def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bool = True,
-              progress: Callable[[], None] | None = None) -> dict:
+              progress: Callable[[], None] | None = None, bias: bool = False) -> dict:
     """Run every prompt verifying all γ drafts, fit the temperatures on the rounds of even-numbered prompts,
     report the metrics on the rounds of the odd-numbered ones (held out), save and apply the temperatures.
 
     Acceptance depends on the sampling temperature (greedy accepts more), so calibration.json keeps one fit
-    per sampling temperature and requests use the fit nearest their own.
+    per sampling temperature and requests use the fit nearest their own. `bias` also fits an offset per
+    position (see `dspark_calibration.sts`).
     """
     block = engine.core.block
     if not block or engine.manifest.drafter.get("confidence") is not True:
@@ -46,16 +47,16 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
         raise DSparkError(f"only {len(log)} full verification rounds were collected; give more prompts or tokens")
     all_logits = np.stack([logits for _, logits, _ in log])
     all_accepted = np.array([accepted for _, _, accepted in log])
-    temperatures = fit_sts(all_logits[~test], all_accepted[~test])
+    temperatures, biases = fit_sts(all_logits[~test], all_accepted[~test], biases=DEFAULT_BIASES if bias else None)
     logits, accepted = all_logits[test], all_accepted[test]
     report = {"rounds_fit": int((~test).sum()), "rounds_held_out": int(test.sum()), "temperature": params.temperature}
-    report |= calibration_report(logits, accepted, temperatures)
+    report |= calibration_report(logits, accepted, temperatures, biases)
     by_temperature = read_calibration(engine.folder) | {params.temperature: report}
     file = {"by_temperature": {str(t): entry for t, entry in sorted(by_temperature.items())}}
     (engine.folder / CALIBRATION).write_text(json.dumps(file, indent=1) + "\n")
     if plot:
         report["plot"] = str(engine.folder / "calibration.png") if reliability_png(
-            logits, accepted, temperatures, engine.folder / "calibration.png") else None
-    engine.core.sts = {t: np.asarray(entry["temperatures"]) for t, entry in by_temperature.items()}
+            logits, accepted, temperatures, biases, engine.folder / "calibration.png") else None
+    engine.core.sts = sts_by_temperature(by_temperature)
     return report
 

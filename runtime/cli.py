@@ -209,8 +209,9 @@ def profile(engine_dir, context, repeats, threads) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--bias", is_flag=True, help="Also fit an offset per position (beyond the paper's STS; for greedy).")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, as_json) -> None:
+def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias, as_json) -> None:
     """Fit Sequential Temperature Scaling on real verification rounds (calibration.json, calibration.png)."""
     from tqdm import tqdm
 
@@ -222,7 +223,8 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, as_j
     rows = read_prompts(prompts or demo_prompts_file(), limit)
     with Engine.load(engine_dir, threads=threads) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
-            report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True, bar.update)
+            report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,
+                                     bar.update, bias)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from dspark_calibration.sts import survival
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.kv_cache import KVCache, SlotPool
 from dspark_runtime.sampling import target_rows
@@ -41,7 +42,7 @@ class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
     def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, emit: Callable[[Sequence, list[int]], None],
-                 curve: SpeedCurve | None = None, sts: dict[float, np.ndarray] | None = None):
+                 curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
         target = manifest.target
         self.manifest = manifest
         self.run_target, self.run_drafter, self.emit = run_target, run_drafter, emit
@@ -53,7 +54,7 @@ class EngineCore:
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
-        self.sts = sts  # STS temperatures by the sampling temperature they were fitted at
+        self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
         self.seconds = {"step": 0.0, "schedule": 0.0}  # time spent in steps and, within them, in the scheduler
@@ -136,8 +137,8 @@ class EngineCore:
         """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
         if logits is None:
             return np.ones(self.block)
-        scales = self.sts[min(self.sts, key=lambda t: abs(t - temperature))] if self.sts else 1.0
-        return np.cumprod(1.0 / (1.0 + np.exp(-logits / scales)))
+        scales, offsets = self.sts[min(self.sts, key=lambda t: abs(t - temperature))] if self.sts else (1.0, 0.0)
+        return survival(logits[None], scales, offsets)[0]
 
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
         """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting

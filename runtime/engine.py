@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark_runtime.backend import open_graphs
 from dspark_runtime.core import EngineCore
-from dspark_runtime.engine_dir import HARDWARE_CURVE, read_calibration, read_manifest
+from dspark_runtime.engine_dir import HARDWARE_CURVE, read_calibration, read_manifest, sts_by_temperature
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
@@ -253,9 +253,8 @@ def _load_curve(folder: Path) -> SpeedCurve | None:
     return SpeedCurve.from_json(data)
 
 
-def _load_calibration(folder: Path) -> dict[float, np.ndarray] | None:
-    reports = read_calibration(folder)
-    return {t: np.asarray(report["temperatures"]) for t, report in reports.items()} or None
+def _load_calibration(folder: Path) -> dict[float, tuple[np.ndarray, np.ndarray]] | None:
+    return sts_by_temperature(read_calibration(folder)) or None
 
 
 def _demo_engine() -> Path:

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dspark_runtime.errors import DSparkError
 
 FORMAT_VERSION = 2  # 2: the op body gathers live cache rows only; CPU drafters skip greedy distributions
@@ -96,3 +98,9 @@ def read_calibration(folder: Path) -> dict[float, dict]:
     if "by_temperature" not in data:
         return {float(data.get("temperature", 1.0)): data}
     return {float(t): entry for t, entry in data["by_temperature"].items()}
+
+
+def sts_by_temperature(reports: dict[float, dict]) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """(STS temperatures, offsets) per sampling temperature, from calibration reports."""
+    return {t: (np.asarray(r["temperatures"]), np.asarray(r.get("biases", np.zeros(len(r["temperatures"])))))
+            for t, r in reports.items()}

@@ -264,10 +264,12 @@ def test_calibrate_command(tmp_path_factory):
     saved = json.loads((engine_dir / "calibration.json").read_text())["by_temperature"]
     assert saved["1.0"]["temperatures"] == report["temperatures"]
     greedy = CliRunner().invoke(main, ["calibrate", str(engine_dir), "--prompts", str(prompts), "--max-tokens", "24",
-                                       "--threads", "1", "--temperature", "0", "--json"])
+                                       "--threads", "1", "--temperature", "0", "--bias", "--json"])
     assert greedy.exit_code == 0, greedy.output
     with Engine.load(engine_dir, threads=1, profile=False) as engine:  # one fit per sampling temperature
-        assert sorted(engine.core.sts) == [0.0, 1.0] and engine.core.sts[1.0].tolist() == report["temperatures"]
+        assert sorted(engine.core.sts) == [0.0, 1.0] and engine.core.sts[1.0][0].tolist() == report["temperatures"]
+        assert not engine.core.sts[1.0][1].any() and engine.core.sts[0.0][1].tolist() == json.loads(
+            next(line for line in greedy.output.splitlines() if line.startswith("{")))["biases"]
 
 
 def test_a_full_context_finishes_with_length(engine):
