@@ -1,7 +1,7 @@
 """`dspark-run profile`: measure t_target(B) and t_draft(R) on this machine and write hardware_curve.json.
 
 SPS(B; R) = 1 / (t_draft(R) + t_target(B)) then drives the `sync` and `async` schedulers. The target is
-timed with B new tokens spread over min(B, S) requests, each with `context` cached positions; the
+timed (at every B up to 16, then every 8th, interpolated between) with B new tokens spread over min(B, S) requests, each with `context` cached positions; the
 drafter with R requests, each bringing a few new context positions, and once with many more, for the cost
 of each further position (what a drafter call pays to catch up after steps that did not draft).
 """
@@ -19,6 +19,12 @@ from dspark_calibration.timing import cost_table, median_seconds
 from dspark_runtime.core import EngineCore
 from dspark_runtime.engine_dir import HARDWARE_CURVE
 from dspark_runtime.scheduler import PROFILED_CONTEXT_ROWS
+
+
+def target_sizes(limit: int, dense: int = 16, step: int = 8) -> list[int]:
+    """Batch sizes whose target step is timed: every one up to `dense`, then every `step`-th and the last;
+    the curve in between is interpolated (it is smooth there, and this keeps first-use profiling short)."""
+    return sorted(set(range(1, min(dense, limit) + 1)) | set(range(dense, limit + 1, step)) | {limit})
 
 
 def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -58,9 +64,10 @@ def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7
     manifest = core.manifest
     context = min(context, manifest.max_context - manifest.max_batch_tokens - core.block - 1)
     context = max(context, 0)
-    target = cost_table(range(1, manifest.max_batch_tokens + 1),
-                        lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
-                        progress and (lambda n: progress("target", n)))
+    sizes = target_sizes(manifest.max_batch_tokens)
+    measured = cost_table(sizes, lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
+                          progress and (lambda n: progress("target", n)))
+    target = np.interp(np.arange(1, manifest.max_batch_tokens + 1), sizes, measured)
     draft, per_row = np.zeros(manifest.cache_slots), 0.0
     if core.block:
         draft = cost_table(range(1, manifest.cache_slots + 1),
