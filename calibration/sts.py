@@ -57,12 +57,12 @@ def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: n
     block = np.asarray(logits).shape[1]
     outcomes = prefix_outcomes(accepted, block)
     report: dict = {"temperatures": [round(float(t), 4) for t in temperatures], "biases": [round(float(b), 4) for b in biases]}
-    for name, temps, offsets in (("before", np.ones(block), 0.0), ("after", temperatures, biases)):
-        predicted = survival(logits, temps, offsets)
+    predictions = {"before": survival(logits, np.ones(block)), "after": survival(logits, temperatures, biases)}
+    for name, predicted in predictions.items():
         report[name] = {
             "ece": [round(ece(predicted[:, k], outcomes[:, k], bins), 5) for k in range(block)],
             "auc": [round(auc(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
             "brier": [round(brier(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
         }
-    report["after"]["ece_floor"] = [round(ece_floor(predicted[:, k], bins), 5) for k in range(block)]
+    report["after"]["ece_floor"] = [round(ece_floor(predictions["after"][:, k], bins), 5) for k in range(block)]
     return report

@@ -59,4 +59,3 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
             logits, accepted, temperatures, biases, engine.folder / "calibration.png") else None
     engine.core.sts = sts_by_temperature(by_temperature)
     return report
-

@@ -1,9 +1,10 @@
 """`dspark-run profile`: measure t_target(B) and t_draft(R) on this machine and write hardware_curve.json.
 
 SPS(B; R) = 1 / (t_draft(R) + t_target(B)) then drives the `sync` and `async` schedulers. The target is
-timed (at every B up to 16, then every 8th, interpolated between) with B new tokens spread over min(B, S) requests, each with `context` cached positions; the
-drafter with R requests, each bringing a few new context positions, and once with many more, for the cost
-of each further position (what a drafter call pays to catch up after steps that did not draft).
+timed with B new tokens spread over min(B, S) requests, each with `context` cached positions (every B up to
+16, then every 8th, interpolated between); the drafter with R requests, each bringing a few new context
+positions, and once with many more, for the cost of each further position (what a drafter call pays to
+catch up after steps that did not draft).
 """
 
 from __future__ import annotations

@@ -45,12 +45,12 @@ class SpeedCurve:
         slope = table[-1] - table[-2] if size > 1 else table[-1]
         return np.where(index <= size, table[np.minimum(np.maximum(index, 1), size) - 1], table[-1] + slope * (index - size))
 
-    def draft_time(self, requests: int, context_rows: int | None = None) -> float:
+    def draft_time(self, requests: int, context_rows: int = 0) -> float:
         """t_draft(R), plus the catch-up of context rows beyond what the profile fed (after plain steps)."""
-        extra = 0 if context_rows is None else max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
+        extra = max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
         return float(self._lookup(self.draft_seconds, requests)) + self.draft_seconds_per_context_row * extra
 
-    def steps_per_second(self, tokens, requests: int, context_rows: int | None = None):
+    def steps_per_second(self, tokens, requests: int, context_rows: int = 0):
         """SPS(B; R) for B = `tokens` (an int or an array)."""
         return 1.0 / (self.draft_time(requests, context_rows) + self._lookup(self.target_seconds, tokens))
 
@@ -86,7 +86,7 @@ def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = Non
 
 
 def path_throughputs(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None,
-                     context_rows: int | None = None) -> np.ndarray:
+                     context_rows: int = 0) -> np.ndarray:
     """Θ after admitting the first k candidates of the greedy path, k = 0, 1, ..., every candidate."""
     requests, block = survival.shape
     a = survival[:, : (block if cap is None else min(cap, block))]
@@ -145,7 +145,7 @@ class DraftGate:
         self.probe, self.max_probe = probe, max_probe
         self.wait, self.skipped = probe, 0
 
-    def worth_drafting(self, survival: np.ndarray, context_rows: int | None = None) -> bool:
+    def worth_drafting(self, survival: np.ndarray, context_rows: int = 0) -> bool:
         """`context_rows`: the target positions the drafter has not yet read (its call's catch-up cost)."""
         requests = survival.shape[0]
         drafting = path_throughputs(survival, self.curve, self.cap, context_rows).max()

@@ -67,11 +67,7 @@ class Sequence:
         return self.prompt[start:stop] + self.generated[max(0, start - offset) : max(0, stop - offset)]
 
     @property
-    def history(self) -> np.ndarray:
-        """Every token so far (prompt and generated, the anchor included), for penalties."""
-        return np.asarray(self.prompt + self.generated, dtype=np.int64)
-
-    @property
     def penalty_history(self) -> np.ndarray:
-        """`history` when a penalty reads it, else empty (building it costs O(context) per step)."""
-        return self.history if self.params.penalised else np.zeros(0, np.int64)
+        """Every token so far (prompt and generated, the anchor included) when a penalty reads them, else empty
+        (building it costs O(context) per step)."""
+        return np.asarray(self.prompt + self.generated if self.params.penalised else [], dtype=np.int64)
