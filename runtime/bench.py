@@ -40,8 +40,8 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    step_seconds = engine.core.seconds["step"] - before["step"]
-    schedule_seconds = engine.core.seconds["schedule"] - before["schedule"]
+    spent = {part: seconds - before[part] for part, seconds in engine.core.seconds.items()}
+    share = {part: spent[part] / spent["step"] if spent["step"] else 0.0 for part in ("schedule", "target", "drafter")}
     generated = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats["steps"] for r in results)
     return {
@@ -54,7 +54,9 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
         "generated_tokens": generated,
         "seconds": elapsed,
         "accepted_per_step": float(np.mean([r.stats["accepted_per_step"] for r in results])),
-        "scheduler_share_of_step_time": schedule_seconds / step_seconds if step_seconds else 0.0,
+        "scheduler_share_of_step_time": share["schedule"],
+        "target_share_of_step_time": share["target"],
+        "drafter_share_of_step_time": share["drafter"],
     }
 
 
@@ -72,6 +74,8 @@ def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrenc
     for result in results:
         base = next((r for r in results if r["mode"] == "off" and r["concurrency"] == result["concurrency"]), None)
         result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
+        # the ceiling of a drafter that cost nothing and drafted as well: the same run less its drafter time
+        result["ratio_with_free_drafter"] = result["ratio_to_off"] / (1 - result["drafter_share_of_step_time"]) if base else None
     return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
             "temperature": params.temperature, "results": results}
 

@@ -147,11 +147,13 @@ def _repl(session) -> None:
 @click.option("--concurrency", default="1", show_default=True, callback=int_list, help="Comma-separated request concurrency levels.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-tokens per prompt even past the end-of-text token.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
 @click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
-def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, threads, domains, plot, as_json) -> None:
+def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, ignore_eos, threads, domains, plot,
+          as_json) -> None:
     """Throughput of each speculation mode against `off`, same prompts, one process.
 
     \b
@@ -168,12 +170,14 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
         rows = [r for r in rows if r.get("domain") in domains.split(",")]
         if not rows:
             raise click.BadParameter(f"no prompt has a domain in {domains!r}", param_hint="--domains")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
 
     def show(result: dict) -> None:
         if not as_json:
             click.echo(f"{result['mode']:>9} x{result['concurrency']:<3} {result['tokens_per_s']:8.1f} tok/s  "
-                       f"tau {result['tau']:.2f}  per-request {result['per_request_tokens_per_s']:.1f} tok/s", err=True)
+                       f"tau {result['tau']:.2f}  per-request {result['per_request_tokens_per_s']:.1f} tok/s  "
+                       f"step time: target {result['target_share_of_step_time']:.0%}, "
+                       f"drafter {result['drafter_share_of_step_time']:.0%}", err=True)
 
     with Engine.load(engine_dir, threads=threads) as engine:
         report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show)

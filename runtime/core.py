@@ -57,7 +57,15 @@ class EngineCore:
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
-        self.seconds = {"step": 0.0, "schedule": 0.0}  # time spent in steps and, within them, in the scheduler
+        self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
+
+    def _timed(self, part: str, call: Callable, *args):
+        """`call(*args)`, its time added to `self.seconds[part]`."""
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.seconds[part] += time.perf_counter() - started
 
     def set_curve(self, curve: SpeedCurve | None) -> None:
         self.curve = curve
@@ -83,11 +91,7 @@ class EngineCore:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._step()
-        finally:
-            self.seconds["step"] += time.perf_counter() - started
+        self._timed("step", self._step)
 
     def _step(self) -> None:
         self._admit()
@@ -96,11 +100,9 @@ class EngineCore:
             self.release(sequence)
         if not self.active:
             return
-        scheduling = time.perf_counter()
-        lengths = self._schedule([s for s in self.active if s.decoding])
-        self.seconds["schedule"] += time.perf_counter() - scheduling
+        lengths = self._timed("schedule", self._schedule, [s for s in self.active if s.decoding])
         rows, feeds = self._target_batch(lengths)
-        outputs = self.run_target(feeds | self.target_cache.feeds())
+        outputs = self._timed("target", self.run_target, feeds | self.target_cache.feeds())
         self.target_cache.write(feeds["slot"], feeds["pos"], outputs)
         for row in rows:
             self._advance(row, outputs)
@@ -254,7 +256,7 @@ class EngineCore:
             "noise": np.stack([s.rng.uniform(1e-12, 1.0, self.block) for s in sequences]).astype(np.float32).clip(1e-12, 1 - 1e-7),
             "temperature": np.asarray([s.params.temperature for s in sequences], dtype=np.float32),
         }
-        outputs = self.run_drafter(feeds | self.drafter_cache.feeds())
+        outputs = self._timed("drafter", self.run_drafter, feeds | self.drafter_cache.feeds())
         self.drafter_cache.write(feeds["context_slot"], feeds["context_pos"], outputs)
         for index, s in enumerate(sequences):
             s.drafts = outputs["draft_tokens"][index]
