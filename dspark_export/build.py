@@ -17,7 +17,7 @@ from dspark_export.config import DTYPES
 from dspark_export.onnx_drafter import build_drafter_onnx
 from dspark_export.onnx_target import build_target_onnx
 from dspark_export.presets import TargetSpec
-from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, write_manifest
+from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.tokenizer import ChatTokenizer
 
@@ -79,6 +79,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
             drafter_name=drafter_name, dtype=dtype, backend=backend, cache_slots=cache_slots, max_context=max_context,
             max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
             eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers,
+            sources=source_digests(folder, drafter_dir),
         )
         if backend == "trt":
             from dspark_export.trt_build import build_trt_engines
@@ -92,6 +93,14 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def source_digests(target_folder: Path, drafter_dir: Path | None) -> dict[str, str]:
+    """What an engine was built from, so that a cached engine of changed weights can be told apart."""
+    sources = {"target": weights_digest(target_folder)}
+    if drafter_dir is not None:
+        sources["drafter"] = weights_digest(drafter_dir)
+    return sources
 
 
 def _config_dict(config) -> dict:

@@ -262,15 +262,18 @@ def _demo_engine() -> Path:
     from dspark_runtime.engine_dir import EngineError
 
     try:
-        from dspark_export.build import build_engine, default_engine_dir
+        from dspark_export.build import build_engine, default_engine_dir, source_digests
         from dspark_export.drafters.bundled import bundled_drafters, bundled_root
-        from dspark_export.presets import resolve_target
+        from dspark_export.presets import demo_dir, resolve_target
     except ImportError as exc:  # pragma: no cover - only without the exporter installed
         raise EngineError(f"the bundled demo needs dspark_export to build its engine: {exc}") from None
     drafter = "demo-dspark" if "demo-dspark" in bundled_drafters() else None
+    drafter_dir = bundled_root() / drafter if drafter else None
     folder = default_engine_dir("demo", drafter)
     try:
-        read_manifest(folder)
+        current = read_manifest(folder).sources == source_digests(demo_dir(), drafter_dir)
     except EngineError:
-        build_engine(resolve_target("demo"), folder, bundled_root() / drafter if drafter else None, drafter, force=True)
+        current = False
+    if not current:  # never built, damaged, or built from weights an upgrade has since replaced
+        build_engine(resolve_target("demo"), folder, drafter_dir, drafter, force=True)
     return folder

@@ -43,6 +43,7 @@ class Manifest:
     eos_token_ids: list[int]
     feature_layers: list[int]
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
+    sources: dict[str, str] = field(default_factory=dict)  # "target"/"drafter" -> digest of the weights built from
     format_version: int = FORMAT_VERSION
 
     @property
@@ -56,6 +57,14 @@ def file_digest(path: Path) -> str:
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_digest(folder: Path) -> str:
+    """One SHA-256 over a checkpoint folder's `*.safetensors` files (in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        digest.update(path.name.encode() + file_digest(path).encode())
     return digest.hexdigest()
 
 

@@ -58,6 +58,25 @@ def test_build_writes_a_verified_engine(tmp_path, target):
     assert replaced.exit_code == 0 and read_manifest(tmp_path / "engine").drafter is None
 
 
+def test_bundled_demo_engine_is_rebuilt_when_its_weights_change(tmp_path, monkeypatch):
+    """An upgrade that replaces the bundled drafter must not leave the user cache running the old one."""
+    import json
+
+    from dspark_runtime.engine import _demo_engine
+
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    folder = _demo_engine()
+    manifest = read_manifest(folder)
+    assert set(manifest.sources) == {"target", "drafter"}
+    (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
+    assert _demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
+    stale = json.loads((folder / "manifest.json").read_text())
+    stale["sources"]["drafter"] = "0" * 64  # as if built from an older bundled drafter
+    (folder / "manifest.json").write_text(json.dumps(stale))
+    assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
+    assert read_manifest(folder).sources == manifest.sources
+
+
 def test_altered_or_missing_files_are_refused(tmp_path, target):
     assert build("--target-path", str(target), "--out", str(tmp_path / "e")).exit_code == 0
     config = tmp_path / "e" / "tokenizer_config.json"
