@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
 Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -59,7 +60,7 @@ class EngineCore:
         self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
         self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
 
-    def _timed(self, part: str, call: Callable, *args):
+    def _timed(self, part: str, call: Callable[..., Result], *args) -> Result:
         """`call(*args)`, its time added to `self.seconds[part]`."""
         started = time.perf_counter()
         try:
