@@ -18,6 +18,7 @@ graph (`onnx_eagle3`) shares the weight streaming, the sampler and this interfac
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -168,6 +169,9 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     return inputs, outputs
 
 
+GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
+
+
 class Sampler:
     """Per-request draft sampling in the graph: inverse CDF of softmax(logits / T) from one uniform of
     `noise` per draft, the argmax where T = 0; the distribution drawn from is returned with the token.
@@ -177,7 +181,8 @@ class Sampler:
     row's distribution is softmax(logits / 1e-6), the point mass on its argmax up to ties. Greedy
     verification needs no distribution, so with `empty_greedy` an all-greedy call returns `draft_probs`
     with an empty vocabulary axis (ONNX Runtime); without it, one-hot rows (TensorRT's conditionals need
-    both branches to give the same shape).
+    both branches to give the same shape). `pick` puts one draft under its own `If`; `chain` puts a
+    whole sequential chain under one (ONNX Runtime pays for every `If` it runs).
     """
 
     def __init__(self, b: GraphBuilder, vocab: int, empty_greedy: bool):
@@ -188,16 +193,28 @@ class Sampler:
 
     def pick(self, logits: str, k: int) -> tuple[str, str]:
         """logits [R, V] of draft k -> (token [R], distribution [R, 1, V], or [R, 1, 0] when all are greedy)."""
-        b = self.b
-        token, prob = b.name(f"draft_token_{k}"), b.name(f"draft_prob_{k}")
-        b.nodes.append(helper.make_node("If", [self.any_sampling], [token, prob],
-                                        then_branch=self._branch(logits, k, sample=True),
-                                        else_branch=self._branch(logits, k, sample=False)))
-        return token, prob
+        draw = lambda sub, sample: self.draw(sub, logits, k, sample)  # noqa: E731
+        return self.chain(draw, [(self.b.name(f"draft_token_{k}"), TensorProto.INT64),
+                                 (self.b.name(f"draft_prob_{k}"), TensorProto.FLOAT)])
 
-    def _branch(self, logits: str, k: int, sample: bool) -> onnx.GraphProto:
+    def chain(self, body: Callable[[GraphBuilder, bool], list[str]], outputs: list[tuple[str, int]]) -> list[str]:
+        """`body(sub, sample)` builds into `sub` a chain that draws with `draw(sub, .., sample)` and returns
+        its results; it runs under one `If`, whose outputs get the names and element types of `outputs`."""
+        names = [name for name, _ in outputs]
+        self.b.nodes.append(helper.make_node("If", [self.any_sampling], names,
+                                             then_branch=self._branch(body, outputs, sample=True),
+                                             else_branch=self._branch(body, outputs, sample=False)))
+        return names
+
+    def _branch(self, body: Callable[[GraphBuilder, bool], list[str]], outputs: list[tuple[str, int]], sample: bool) -> onnx.GraphProto:
+        sub = GraphBuilder(f"{self.b.prefix}{outputs[0][0]}_{'sample' if sample else 'argmax'}_")
+        results = body(sub, sample)
+        infos = [helper.make_tensor_value_info(value, elem_type, None) for value, (_, elem_type) in zip(results, outputs)]
+        return helper.make_graph(sub.nodes, sub.prefix + "branch", [], infos)
+
+    def draw(self, sub: GraphBuilder, logits: str, k: int, sample: bool) -> tuple[str, str]:
+        """Draft k inside a branch: (token [R], distribution [R, 1, V] or [R, 1, 0] / one-hot when greedy)."""
         vocab = self.vocab
-        sub = GraphBuilder(f"{self.b.prefix}{'sample' if sample else 'argmax'}{k}_")
         token = sub.op("ArgMax", logits, axis=-1, keepdims=0)
         if sample:
             prob = sub.op("Softmax", sub.op("Div", logits, self.safe_t), axis=-1)  # [R, V]
@@ -212,42 +229,69 @@ class Sampler:
             prob = sub.op("Slice", logits, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, 0]
         else:
             prob = sub.op("OneHot", token, sub.const([vocab]), sub.const([0.0, 1.0], np.float32), axis=-1)
-        prob = sub.op("Unsqueeze", prob, sub.const([1]))
-        outputs = [helper.make_tensor_value_info(token, TensorProto.INT64, None),
-                   helper.make_tensor_value_info(prob, TensorProto.FLOAT, None)]
-        return helper.make_graph(sub.nodes, sub.prefix + "branch", [], outputs)
+        return token, sub.op("Unsqueeze", prob, sub.const([1]))
 
 
 def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str, sampler: Sampler) -> None:
-    """Unrolled γ steps: bias from the previous token, inverse-CDF sampling from one uniform, confidence logits."""
-    previous, state = "anchor_ids", None
-    tokens, probs, confidences = [], [], []
-    for k in range(config.block):
-        index = b.const([k])
-        h_k = b.op("Squeeze", b.op("Gather", hidden, index, axis=1), b.const([1]))  # [R, H]
-        logits = b.op("Squeeze", b.op("Gather", base, index, axis=1), b.const([1]))  # [R, V]
-        if config.head != "none":
-            code = b.op("Gather", ops.weight("markov_w1.weight"), previous)  # [R, r]
-            if config.head == "markov":
-                bias = ops.weight.vocab_linear(b, code, "markov_w2.weight")
-            else:
-                if state is None:
-                    state = b.op("Mul", code, b.const(0.0, np.float32))
-                z = b.op("Gemm", b.op("Concat", state, code, h_k, axis=-1), ops.weight("rnn.weight"), ops.weight("rnn.bias"), transB=1)
-                gate, candidate, out = b.op("Split", z, axis=-1, num_outputs=3, outputs=3)
-                bias = ops.weight.vocab_linear(b, b.op("Tanh", out), "markov_w2.weight")
-                gate = b.op("Sigmoid", gate)
-                state = b.op("Add", b.op("Mul", gate, state),
-                             b.op("Mul", b.op("Sub", b.const(1.0, np.float32), gate), b.op("Tanh", candidate)))
-            logits = b.op("Add", logits, bias)
-            if config.confidence:
-                confidences.append(b.op("Gemm", b.op("Concat", h_k, code, axis=-1), ops.weight("confidence_head.weight"),
-                                        ops.weight("confidence_head.bias"), transB=1))  # [R, 1]
-        token, prob = sampler.pick(logits, k)
-        probs.append(prob)
-        tokens.append(b.op("Unsqueeze", token, b.const([1])))
-        previous = token
-    b.op("Concat", *tokens, axis=1, name="draft_tokens")
-    b.op("Concat", *probs, axis=1, name="draft_probs")
-    if confidences:
-        b.op("Concat", *confidences, axis=1, name="confidence_logits")
+    """Unrolled γ steps under one `If` (bias from the previous token, a draw from one uniform each), then
+    the confidence logits of all steps in one product: they need only the hidden state and the previous token.
+
+    CPU graphs draw all-greedy calls from the top `GREEDY_CANDIDATES` base logits of each position: the
+    sequential bias is computed for those tokens only, not the whole vocabulary. A greedy draft is only a
+    guess (greedy verification checks it against the target's argmax), so this changes speed, not output.
+    """
+    weights, vocab = ops.weight, config.target_config.vocab_size
+
+    def head_input(sub: GraphBuilder, previous: str, state: str | None, k: int) -> tuple[str, str | None]:
+        """The [R, r] vector the Markov output matrix multiplies at step k, and the RNN state."""
+        code = sub.op("Gather", weights("markov_w1.weight"), previous)  # [R, r]
+        if config.head == "markov":
+            return code, state
+        if state is None:
+            state = sub.op("Mul", code, sub.const(0.0, np.float32))
+        h_k = sub.op("Gather", hidden, sub.const(k), axis=1)  # [R, H]
+        z = sub.op("Gemm", sub.op("Concat", state, code, h_k, axis=-1), weights("rnn.weight"), weights("rnn.bias"), transB=1)
+        gate, candidate, out = sub.op("Split", z, axis=-1, num_outputs=3, outputs=3)
+        gate = sub.op("Sigmoid", gate)
+        state = sub.op("Add", sub.op("Mul", gate, state),
+                       sub.op("Mul", sub.op("Sub", sub.const(1.0, np.float32), gate), sub.op("Tanh", candidate)))
+        return sub.op("Tanh", out), state
+
+    def chain(sub: GraphBuilder, sample: bool) -> list[str]:
+        if not sample and sampler.empty_greedy and config.head != "none":
+            return greedy_candidates(sub)
+        previous, state = "anchor_ids", None
+        tokens, probs = [], []
+        for k in range(config.block):
+            logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V]
+            if config.head != "none":
+                vector, state = head_input(sub, previous, state, k)
+                logits = sub.op("Add", logits, weights.vocab_linear(sub, vector, "markov_w2.weight"))
+            token, prob = sampler.draw(sub, logits, k, sample)
+            tokens.append(sub.op("Unsqueeze", token, sub.const([1])))
+            probs.append(prob)
+            previous = token
+        return [sub.op("Concat", *tokens, axis=1), sub.op("Concat", *probs, axis=1)]
+
+    def greedy_candidates(sub: GraphBuilder) -> list[str]:
+        top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
+        rows = sub.op("Transpose", sub.op("Gather", weights("markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
+        previous, state, tokens = "anchor_ids", None, []
+        for k in range(config.block):
+            index = sub.const(k)
+            vector, state = head_input(sub, previous, state, k)
+            bias = sub.op("MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1))  # [R, 1, M]
+            scores = sub.op("Add", sub.op("Squeeze", bias, sub.const([1])), sub.op("Gather", top_logits, index, axis=1))
+            best = sub.op("ArgMax", scores, axis=-1, keepdims=1)  # [R, 1]
+            tokens.append(sub.op("GatherElements", sub.op("Gather", top_ids, index, axis=1), best, axis=1))
+            previous = sub.op("Squeeze", tokens[-1], sub.const([1]))
+        no_distribution = sub.op("Slice", base, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, γ, 0]
+        return [sub.op("Concat", *tokens, axis=1), no_distribution]
+
+    tokens, _ = sampler.chain(chain, [("draft_tokens", TensorProto.INT64), ("draft_probs", TensorProto.FLOAT)])
+    if config.confidence:  # σ(w · [h_k, W1[previous_k]] + b): previous = [anchor, drafts 0..γ-2]
+        previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
+                        b.op("Slice", tokens, b.const([0]), b.const([config.block - 1]), b.const([1])), axis=1)
+        features = b.op("Concat", hidden, b.op("Gather", weights("markov_w1.weight"), previous), axis=-1)  # [R, γ, H + r]
+        logits = b.op("MatMul", features, b.op("Transpose", weights("confidence_head.weight")))  # [R, γ, 1]
+        b.op("Squeeze", b.op("Add", logits, weights("confidence_head.bias")), b.const([2]), name="confidence_logits")

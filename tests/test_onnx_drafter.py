@@ -109,7 +109,10 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", cpu=int8)
               for int8 in (False, True)}
     quantized = onnx.load(str(graphs[True]), load_external_data=False)
-    assert sum(node.op_type == "MatMulInteger" for node in quantized.graph.node) == 1 + BLOCK  # LM head + one per Markov step
+    assert sum(node.op_type == "MatMulInteger" for node in quantized.graph.node) == 1  # the LM head
+    (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
+    products = {branch.name: sum(node.op_type == "MatMulInteger" for node in branch.g.node) for branch in chain.attribute}
+    assert products == {"then_branch": BLOCK, "else_branch": 0}  # one Markov product per sampled step; greedy: candidates
     onnx.checker.check_model(str(graphs[True]), full_check=True)
     config = checkpoint.config
     rng = np.random.default_rng(0)
@@ -126,3 +129,33 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     greedy = feeds | {"temperature": np.zeros(1, np.float32)}
     tokens, probs = ort.InferenceSession(str(graphs[True])).run(["draft_tokens", "draft_probs"], greedy)
     assert tokens.shape == (1, BLOCK) and probs.shape == (1, BLOCK, 0)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_path, monkeypatch, head):
+    """All-greedy CPU calls score the sequential bias on the top base logits only; with every token a
+    candidate they pick what the float32 graph picks."""
+    from dspark_export import onnx_drafter
+
+    make_drafter(tmp_path, "dspark", head)
+    folder = tmp_path / "target"
+    checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
+    config = checkpoint.config
+    rng = np.random.default_rng(3)
+    requests, shape = 3, (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
+    feeds = {"context_features": rng.standard_normal((6, 2 * config.hidden_size)).astype(np.float32),
+             "context_slot": np.repeat(np.arange(requests), 2), "context_pos": np.tile(np.arange(2), requests),
+             "anchor_ids": rng.integers(4, config.vocab_size, requests), "anchor_pos": np.full(requests, 2),
+             "request_slot": np.arange(requests), "cache_len": np.zeros(SLOTS, np.int64),
+             "noise": np.zeros((requests, BLOCK), np.float32), "temperature": np.zeros(requests, np.float32)}
+    feeds |= {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(2)}
+
+    def greedy_drafts(cpu: bool, candidates: int) -> np.ndarray:
+        monkeypatch.setattr(onnx_drafter, "GREEDY_CANDIDATES", candidates)
+        graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"{cpu}-{candidates}" / "drafter.onnx", cpu=cpu)
+        tokens, probs = ort.InferenceSession(str(graph)).run(["draft_tokens", "draft_probs"], feeds)
+        assert probs.shape[-1] == (0 if cpu else config.vocab_size)
+        return tokens
+
+    exact = greedy_drafts(False, config.vocab_size)
+    assert (greedy_drafts(True, config.vocab_size) == exact).all()
