@@ -15,7 +15,7 @@ from tqdm import tqdm
 from dspark_export.checkpoint import Checkpoint, expected_shapes
 from dspark_export.config import DTYPES
 from dspark_export.onnx_drafter import build_drafter_onnx
-from dspark_export.onnx_target import build_target_onnx
+from dspark_export.onnx_target import GRAPH_FORMAT, build_target_onnx
 from dspark_export.presets import TargetSpec
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
 from dspark_runtime.errors import DSparkError
@@ -96,8 +96,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 
 
 def source_digests(target_folder: Path, drafter_dir: Path | None) -> dict[str, str]:
-    """What an engine was built from, so that a cached engine of changed weights can be told apart."""
-    sources = {"target": weights_digest(target_folder)}
+    """What an engine was built from, so that a cached engine of changed weights, or one an older
+    exporter wrote, can be told apart."""
+    sources = {"target": weights_digest(target_folder), "graph_format": str(GRAPH_FORMAT)}
     if drafter_dir is not None:
         sources["drafter"] = weights_digest(drafter_dir)
     return sources

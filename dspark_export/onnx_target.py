@@ -24,7 +24,7 @@ from dspark_export.onnx_weights import ONNX_DTYPES, ExternalData, convert
 from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
 from dspark_plugins.builder import GraphBuilder
 
-GRAPH_FORMAT = 1
+GRAPH_FORMAT = 2  # bumped when the exporter writes different graphs: cached demo engines are rebuilt
 
 
 class DecoderOps:

@@ -58,8 +58,9 @@ def test_build_writes_a_verified_engine(tmp_path, target):
     assert replaced.exit_code == 0 and read_manifest(tmp_path / "engine").drafter is None
 
 
-def test_bundled_demo_engine_is_rebuilt_when_its_weights_change(tmp_path, monkeypatch):
-    """An upgrade that replaces the bundled drafter must not leave the user cache running the old one."""
+def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_path, monkeypatch):
+    """An upgrade that replaces the bundled drafter or the exporter's graphs must not leave the user cache
+    running the old engine."""
     import json
 
     from dspark_runtime.engine import _demo_engine
@@ -67,7 +68,7 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_change(tmp_path, monkey
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     folder = _demo_engine()
     manifest = read_manifest(folder)
-    assert set(manifest.sources) == {"target", "drafter"}
+    assert set(manifest.sources) == {"target", "drafter", "graph_format"}
     (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
     assert _demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
     stale = json.loads((folder / "manifest.json").read_text())
@@ -75,6 +76,10 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_change(tmp_path, monkey
     (folder / "manifest.json").write_text(json.dumps(stale))
     assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
     assert read_manifest(folder).sources == manifest.sources
+    stale["sources"] = manifest.sources | {"graph_format": "1"}  # written by an older exporter
+    (folder / "manifest.json").write_text(json.dumps(stale))
+    (folder / "hardware_curve.json").write_text("{}")
+    assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
 
 
 def test_altered_or_missing_files_are_refused(tmp_path, target):
