@@ -59,7 +59,8 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 @click.option("--block", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
 @click.option("--markov-rank", type=click.IntRange(min=1), default=None, help="Rank r of the Markov head (default by vocabulary).")
 @click.option("--feature-layers", default=None, help="Comma-separated target layers (default: evenly spaced from 1 to L-3).")
-@click.option("--data", type=click.Path(dir_okay=False, exists=True), required=True, help="Self-distillation .npz.")
+@click.option("--data", type=click.Path(dir_okay=False, exists=True), required=True, multiple=True,
+              help="Self-distillation .npz (repeat to train on several).")
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Drafter folder to write.")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
@@ -92,7 +93,7 @@ def train(target, target_path, drafter_type, head, layers, block, markov_rank, f
     drafter = build_drafter(config)
     attach_target(drafter, model)
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
-    train_drafter(drafter, model, Sequences.load(data), Path(out + ".run"), cfg, until=until)
+    train_drafter(drafter, model, Sequences.load(*data), Path(out + ".run"), cfg, until=until)
     if until is None or until >= steps:
         save_drafter(drafter, out, save_dtype)
         click.echo(f"drafter written to {out}")

@@ -122,6 +122,19 @@ def greedy_sequences(target: Qwen3Model, count: int = 24, prompt: int = 6, new: 
                      np.full(count, prompt, dtype=np.int32))
 
 
+def test_several_distillation_files_train_as_one_set(tmp_path):
+    files = []
+    for index, sequences in enumerate(([[5, 6, 7], [8, 9]], [[10, 11, 12, 13]])):
+        lengths = np.array([len(seq) for seq in sequences], np.int32)
+        np.savez(tmp_path / f"{index}.npz", tokens=np.concatenate(sequences).astype(np.uint16),
+                 starts=np.r_[0, np.cumsum(lengths)[:-1]], lengths=lengths, prompt_lengths=np.ones(len(lengths), np.int32))
+        files.append(tmp_path / f"{index}.npz")
+    data = Sequences.load(*files)
+    tokens, lengths, _ = data.batch(np.array([2, 1]), max_length=8)
+    assert len(data) == 3 and lengths.tolist() == [4, 2]
+    assert tokens.tolist() == [[10, 11, 12, 13], [8, 9, 0, 0]]
+
+
 @pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")])
 def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
     torch.manual_seed(0)

@@ -19,10 +19,20 @@ class Sequences:
     prompt_lengths: np.ndarray
 
     @classmethod
-    def load(cls, file: str | Path) -> "Sequences":
+    def load(cls, *files: str | Path) -> "Sequences":
+        """One or more distillation files, as one set."""
+        parts = [cls._load_one(file) for file in files]
+        offsets = np.cumsum([0] + [len(part.tokens) for part in parts[:-1]])
+        return cls(np.concatenate([part.tokens for part in parts]),
+                   np.concatenate([part.starts + offset for part, offset in zip(parts, offsets)]),
+                   np.concatenate([part.lengths for part in parts]),
+                   np.concatenate([part.prompt_lengths for part in parts]))
+
+    @classmethod
+    def _load_one(cls, file: str | Path) -> "Sequences":
         try:
             with np.load(file) as data:
-                return cls(data["tokens"], data["starts"], data["lengths"], data["prompt_lengths"])
+                return cls(data["tokens"], data["starts"].astype(np.int64), data["lengths"], data["prompt_lengths"])
         except (OSError, KeyError, ValueError) as exc:
             raise CheckpointError(f"{file} is not a distillation file: {exc}") from None
 
