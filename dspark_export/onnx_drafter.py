@@ -36,9 +36,10 @@ from dspark_runtime.errors import CheckpointError
 def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path, cpu: bool = False) -> Path:
     """Write the drafter graph (float32) and its external data; returns the graph path.
 
-    `cpu` (ONNX Runtime builds) stores the vocabulary-sized projections (LM head, Markov output) as int8
-    with a float32 scale per token and runs them as `MatMulInteger` on dynamically quantized activations:
-    4x less weight traffic per draft. Drafts change slightly, losslessness does not (the distribution a
+    `cpu` (ONNX Runtime builds) stores every projection (the layers', the LM head, the Markov output) as
+    int8 with a float32 scale per output and runs it as `MatMulInteger` on dynamically quantized
+    activations: 4x less weight traffic per draft (drafter call at one request 1.98 -> 1.55 ms, medians of
+    14 alternating rounds; τ unchanged). Drafts change slightly, losslessness does not (the distribution a
     draft was drawn from is what the graph returns). It also lets all-greedy calls skip the distributions
     (see `Sampler`), which TensorRT's conditionals do not allow. TensorRT builds keep float32.
     """
@@ -47,9 +48,9 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
     store = ExternalData(graph_file)
-    weights = DrafterWeights(drafter_dir, target, store, int8_vocab=cpu)
+    weights = DrafterWeights(drafter_dir, target, store, int8=cpu)
     b = GraphBuilder()
-    ops = DecoderOps(b, weights, target.config.rms_norm_eps, TensorProto.FLOAT, target.config.head_dim)
+    ops = DrafterOps(b, weights, target.config.rms_norm_eps, TensorProto.FLOAT, target.config.head_dim)
     if config.drafter_type == "eagle3":
         from dspark_export.onnx_eagle3 import eagle3_body
 
@@ -68,10 +69,10 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
 
 class DrafterWeights:
     """`weights(name)` streams a drafter tensor (or the frozen embedding / LM head from the target) into the
-    external data on first use, as float32; `vocab_linear` projects onto the vocabulary (int8 when asked)."""
+    external data on first use, as float32; `linear` projects with one (int8 when asked)."""
 
-    def __init__(self, drafter_dir: str | Path, target: Checkpoint, store: ExternalData, int8_vocab: bool):
-        self.drafter_dir, self.target, self.store, self.int8_vocab = drafter_dir, target, store, int8_vocab
+    def __init__(self, drafter_dir: str | Path, target: Checkpoint, store: ExternalData, int8: bool):
+        self.drafter_dir, self.target, self.store, self.int8 = drafter_dir, target, store, int8
         self.tensors = read_header(Path(drafter_dir) / "model.safetensors")
         self.initializers: dict[str, TensorProto] = {}
 
@@ -88,9 +89,9 @@ class DrafterWeights:
             self.initializers[name] = self.store.add(name, self._float32(name), "float32")
         return name
 
-    def vocab_linear(self, b: GraphBuilder, x: str, name: str) -> str:
-        """x [N, in] @ W[V, in]^T -> [N, V]."""
-        if not self.int8_vocab:
+    def linear(self, b: GraphBuilder, x: str, name: str) -> str:
+        """x [N, in] @ W[out, in]^T -> [N, out]."""
+        if not self.int8:
             return b.op("Gemm", x, self(name), transB=1)
         quantized, scale, zero = name + ".int8", name + ".scale", name + ".zero_point"
         if quantized not in self.initializers:
@@ -103,6 +104,13 @@ class DrafterWeights:
         x_q, x_scale, x_zero = b.op("DynamicQuantizeLinear", x, outputs=3)
         product = b.op("Cast", b.op("MatMulInteger", x_q, quantized, x_zero, zero), to=TensorProto.FLOAT)
         return b.op("Mul", b.op("Mul", product, x_scale), scale)
+
+
+class DrafterOps(DecoderOps):
+    """The decoder ops with the drafter's projections (`DrafterWeights.linear`: int8 in CPU graphs)."""
+
+    def linear(self, x: str, weight_name: str) -> str:
+        return self.weight.linear(self.b, x, weight_name)
 
 
 def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: "Sampler") -> tuple[list, list]:
@@ -159,7 +167,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
     normed = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
     hidden = b.op("Reshape", normed, b.op("Concat", requests, b.const([block, t.hidden_size]), axis=0))
-    base = b.op("Reshape", ops.weight.vocab_linear(b, normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))
+    base = b.op("Reshape", ops.weight.linear(b, normed, "lm_head.weight"), b.op("Concat", requests, b.const([block, vocab]), axis=0))
     _sequential_head(b, ops, config, hidden, base, sampler)
     inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", block]),
                helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
@@ -266,7 +274,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
             logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V]
             if config.head != "none":
                 vector, state = head_input(sub, previous, state, k)
-                logits = sub.op("Add", logits, weights.vocab_linear(sub, vector, "markov_w2.weight"))
+                logits = sub.op("Add", logits, weights.linear(sub, vector, "markov_w2.weight"))
             token, prob = sampler.draw(sub, logits, k, sample)
             tokens.append(sub.op("Unsqueeze", token, sub.const([1])))
             probs.append(prob)

@@ -64,7 +64,7 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
     hidden = b.op("Gather", entries, "context_last", axis=0)  # [R, H]: the newest entry of each request
     tokens, probs = [], []
     for step in range(config.block):
-        token, prob = sampler.pick(ops.weight.vocab_linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
+        token, prob = sampler.pick(ops.weight.linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         probs.append(prob)
         if step == config.block - 1:
