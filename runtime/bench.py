@@ -61,23 +61,41 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
 
 
 def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrencies: list[int], params: SamplingParams,
-                  progress: Callable[[dict], None] | None = None) -> dict:
-    """Every (mode, concurrency) pair; `ratio_to_off` against `off` at the same concurrency when measured."""
+                  progress: Callable[[dict], None] | None = None, repeats: int = 1) -> dict:
+    """Every (mode, concurrency) pair; `ratio_to_off` against `off` at the same concurrency when measured.
+
+    With `repeats` > 1 the modes run in turn, round after round, and each figure is the median over the
+    rounds; a ratio is taken within its round first (`ratio_to_off_by_round`), so that the machine's drift
+    between rounds does not land on one mode.
+    """
     engine.generate(prompt_of(rows[0]), replace(params, max_tokens=4), spec=modes[0], truncate=True)  # warm-up
     results = []
     for concurrency in concurrencies:
-        for mode in modes:
-            result = run_mode(engine, rows, params, mode, concurrency)
-            results.append(result)
-            if progress:
-                progress(result)
-    for result in results:
-        base = next((r for r in results if r["mode"] == "off" and r["concurrency"] == result["concurrency"]), None)
-        result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
-        # the ceiling of a drafter that cost nothing and drafted as well: the same run less its drafter time
-        result["ratio_with_free_drafter"] = result["ratio_to_off"] / (1 - result["drafter_share_of_step_time"]) if base else None
+        rounds = []
+        for _ in range(repeats):
+            rounds.append([run_mode(engine, rows, params, mode, concurrency) for mode in modes])
+            for result in rounds[-1]:
+                _add_ratios(result, rounds[-1])
+                if progress:
+                    progress(result)
+        results += [_median_of(list(by_mode)) for by_mode in zip(*rounds)] if repeats > 1 else rounds[0]
     return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "results": results}
+            "temperature": params.temperature, "repeats": repeats, "results": results}
+
+
+def _add_ratios(result: dict, same_round: list[dict]) -> None:
+    base = next((r for r in same_round if r["mode"] == "off"), None)
+    result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
+    # the ceiling of a drafter that cost nothing and drafted as well: the same run less its drafter time
+    result["ratio_with_free_drafter"] = result["ratio_to_off"] / (1 - result["drafter_share_of_step_time"]) if base else None
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """One mode's rounds -> the median of every figure, with the per-round ratios kept."""
+    merged = {key: (float(np.median([r[key] for r in runs])) if isinstance(value, float) else value)
+              for key, value in runs[0].items()}
+    merged["ratio_to_off_by_round"] = [r["ratio_to_off"] for r in runs]
+    return merged
 
 
 def plot_frontier(report: dict, file: str) -> bool:

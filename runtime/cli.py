@@ -148,17 +148,20 @@ def _repl(session) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-tokens per prompt even past the end-of-text token.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rounds of all modes in turn; figures are medians, ratios taken within each round.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
 @click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
-def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, ignore_eos, threads, domains, plot,
-          as_json) -> None:
+def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, ignore_eos, repeats, threads, domains,
+          plot, as_json) -> None:
     """Throughput of each speculation mode against `off`, same prompts, one process.
 
     \b
     Example:
       dspark-run bench --modes off,fixed:2,fixed:4 --concurrency 1,4 --limit 10 --json
+      dspark-run bench --modes off,fixed:7 --domains code --limit 10 --repeats 5
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
     from dspark_runtime.engine import Engine
@@ -180,7 +183,7 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
                        f"drafter {result['drafter_share_of_step_time']:.0%}", err=True)
 
     with Engine.load(engine_dir, threads=threads) as engine:
-        report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show)
+        report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, repeats)
     if plot and not plot_frontier(report, plot):
         click.echo("--plot needs matplotlib (pip install matplotlib)", err=True)
     click.echo(json.dumps(report, indent=None if as_json else 2))

@@ -199,12 +199,15 @@ def test_bench_command(engine_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"domain": "code", "prompt": p}) + "\n" for p in PROMPTS))
     result = CliRunner().invoke(main, ["bench", str(engine_dir), "--prompts", str(prompts), "--modes", "off,fixed:3",
-                                       "--concurrency", "1,2", "--max-tokens", "8", "--ignore-eos", "--threads", "1", "--domains", "code",
+                                       "--concurrency", "1,2", "--max-tokens", "8", "--ignore-eos", "--threads", "1", "--domains", "code", "--repeats", "3",
                                        "--plot", str(tmp_path / "frontier.png"), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
     assert [(r["mode"], r["concurrency"]) for r in report["results"]] == [("off", 1), ("fixed:3", 1), ("off", 2), ("fixed:3", 2)]
     assert all(r["generated_tokens"] == 8 * len(PROMPTS) and r["ratio_to_off"] > 0 for r in report["results"])
+    for r in report["results"]:  # ratios within each of the three rounds, then their median
+        assert len(r["ratio_to_off_by_round"]) == 3 and r["ratio_to_off"] == np.median(r["ratio_to_off_by_round"])
+        assert r["mode"] != "off" or r["ratio_to_off_by_round"] == [1.0, 1.0, 1.0]
     for r in report["results"]:
         parts = [r[f"{part}_share_of_step_time"] for part in ("scheduler", "target", "drafter")]
         assert all(0 <= share < 1 for share in parts) and sum(parts) < 1 and r["target_share_of_step_time"] > 0.2
