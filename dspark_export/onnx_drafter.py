@@ -190,7 +190,7 @@ class Sampler:
     verification needs no distribution, so with `empty_greedy` an all-greedy call returns `draft_probs`
     with an empty vocabulary axis (ONNX Runtime); without it, one-hot rows (TensorRT's conditionals need
     both branches to give the same shape). `pick` puts one draft under its own `If`; `chain` puts a
-    whole sequential chain under one (ONNX Runtime pays for every `If` it runs).
+    whole sequential chain under one, so that each branch can take its own route through the chain.
     """
 
     def __init__(self, b: GraphBuilder, vocab: int, empty_greedy: bool):

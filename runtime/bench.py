@@ -78,7 +78,7 @@ def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrenc
                 _add_ratios(result, rounds[-1])
                 if progress:
                     progress(result)
-        results += [_median_of(list(by_mode)) for by_mode in zip(*rounds)] if repeats > 1 else rounds[0]
+        results += [_median_of(list(by_mode)) for by_mode in zip(*rounds)]
     return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
             "temperature": params.temperature, "repeats": repeats, "results": results}
 
