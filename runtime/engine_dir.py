@@ -43,7 +43,7 @@ class Manifest:
     eos_token_ids: list[int]
     feature_layers: list[int]
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
-    sources: dict[str, str] = field(default_factory=dict)  # "target"/"drafter" -> digest of the weights built from
+    sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter"), "graph_format"
     format_version: int = FORMAT_VERSION
 
     @property

@@ -135,9 +135,10 @@ class DraftGate:
     SPS(B; R) charges every speculative step the drafter's t_draft(R) (with the catch-up of the context it
     has not read yet), while a step with nothing drafted costs only t_target(R). After each step the gate
     compares the best expected throughput of drafting (the greedy path over each request's latest prefix
-    survivals, searched globally as for `async`) with R·SPS_plain(R), and drafts only when drafting wins. While it does not, it still drafts after `probe`
-    plain steps, doubling the wait up to `max_probe` while drafting keeps losing, so the survivals stay
-    current. It decides from finished steps only, so verification stays lossless.
+    survivals, searched globally as for `async`) with R·SPS_plain(R), and drafts only when drafting wins.
+    While it does not, it still drafts after `probe` plain steps, doubling the wait up to `max_probe` while
+    drafting keeps losing, so the survivals stay current. It decides from finished steps only, so
+    verification stays lossless.
     """
 
     def __init__(self, curve: SpeedCurve, cap: int | None = None, probe: int = 4, max_probe: int = 32):
