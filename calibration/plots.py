@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_calibration.sts import prefix_outcomes, survival
+from dspark_calibration.sts import prefix_outcomes, prefix_survival
 
 
 def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.ndarray, biases: np.ndarray,
@@ -19,12 +19,12 @@ def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.n
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    block = logits.shape[1]
-    outcomes = prefix_outcomes(accepted, block)
+    gamma = logits.shape[1]
+    outcomes = prefix_outcomes(accepted, gamma)
     figure, axes = plt.subplots(1, 2, figsize=(9, 4), dpi=110, sharey=True)
-    for axis, (title, temps, offsets) in zip(axes, [("raw", np.ones(block), 0.0), ("after STS", temperatures, biases)]):
-        predicted = survival(logits, temps, offsets)
-        for k in range(block):
+    for axis, (title, temps, offsets) in zip(axes, [("raw", np.ones(gamma), 0.0), ("after STS", temperatures, biases)]):
+        predicted = prefix_survival(logits, temps, offsets)
+        for k in range(gamma):
             index = np.minimum((predicted[:, k] * bins).astype(int), bins - 1)
             filled = [b for b in range(bins) if (index == b).any()]
             axis.plot([predicted[index == b, k].mean() for b in filled], [outcomes[index == b, k].mean() for b in filled],

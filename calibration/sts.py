@@ -22,12 +22,12 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
-def prefix_outcomes(accepted: np.ndarray, block: int) -> np.ndarray:
+def prefix_outcomes(accepted: np.ndarray, gamma: int) -> np.ndarray:
     """accepted [n] drafts kept per round -> [n, γ] indicator that positions 0..k were all accepted."""
-    return np.asarray(accepted)[:, None] > np.arange(block)[None, :]
+    return np.asarray(accepted)[:, None] > np.arange(gamma)[None, :]
 
 
-def survival(logits: np.ndarray, temperatures: np.ndarray, biases: np.ndarray | float = 0.0) -> np.ndarray:
+def prefix_survival(logits: np.ndarray, temperatures: np.ndarray, biases: np.ndarray | float = 0.0) -> np.ndarray:
     """Prefix-survival a_k = Π_{i≤k} σ(z_i / T_i + b_i), [n, γ]."""
     return np.cumprod(sigmoid(np.asarray(logits, dtype=np.float64) / temperatures + biases), axis=1)
 
@@ -37,12 +37,12 @@ def fit_sts(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT
     """(temperatures [γ], offsets [γ]) from confidence logits [n, γ] and accepted counts [n] of real rounds;
     the offsets are 0 unless a grid of `biases` is given."""
     logits = np.asarray(logits, dtype=np.float64)
-    block = logits.shape[1]
-    outcomes = prefix_outcomes(accepted, block)
+    gamma = logits.shape[1]
+    outcomes = prefix_outcomes(accepted, gamma)
     offsets = np.zeros(1) if biases is None else np.asarray(biases, dtype=np.float64)
-    temperatures, chosen = np.ones(block), np.zeros(block)
+    temperatures, chosen = np.ones(gamma), np.zeros(gamma)
     running = np.ones(len(logits))
-    for k in range(block):
+    for k in range(gamma):
         errors = [[ece(running * sigmoid(logits[:, k] / t + b), outcomes[:, k], bins) for b in offsets] for t in grid]
         best_t, best_b = np.unravel_index(int(np.argmin(errors)), (len(grid), len(offsets)))
         temperatures[k], chosen[k] = grid[best_t], offsets[best_b]
@@ -54,15 +54,15 @@ def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: n
                        bins: int = 20) -> dict:
     """Per-position ECE, AUC and Brier of the prefix survival before (T = 1) and after STS, and the ECE a
     perfectly calibrated predictor would show on as many rounds (`ece_floor`, after STS)."""
-    block = np.asarray(logits).shape[1]
-    outcomes = prefix_outcomes(accepted, block)
+    gamma = np.asarray(logits).shape[1]
+    outcomes = prefix_outcomes(accepted, gamma)
     report: dict = {"temperatures": [round(float(t), 4) for t in temperatures], "biases": [round(float(b), 4) for b in biases]}
-    predictions = {"before": survival(logits, np.ones(block)), "after": survival(logits, temperatures, biases)}
+    predictions = {"before": prefix_survival(logits, np.ones(gamma)), "after": prefix_survival(logits, temperatures, biases)}
     for name, predicted in predictions.items():
         report[name] = {
-            "ece": [round(ece(predicted[:, k], outcomes[:, k], bins), 5) for k in range(block)],
-            "auc": [round(auc(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
-            "brier": [round(brier(predicted[:, k], outcomes[:, k]), 5) for k in range(block)],
+            "ece": [round(ece(predicted[:, k], outcomes[:, k], bins), 5) for k in range(gamma)],
+            "auc": [round(auc(predicted[:, k], outcomes[:, k]), 5) for k in range(gamma)],
+            "brier": [round(brier(predicted[:, k], outcomes[:, k]), 5) for k in range(gamma)],
         }
-    report["after"]["ece_floor"] = [round(ece_floor(predictions["after"][:, k], bins), 5) for k in range(block)]
+    report["after"]["ece_floor"] = [round(ece_floor(predictions["after"][:, k], bins), 5) for k in range(gamma)]
     return report

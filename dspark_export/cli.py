@@ -56,7 +56,7 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 @click.option("--drafter-type", type=click.Choice(["dspark", "dflash", "eagle3"]), default="dspark", show_default=True)
 @click.option("--head", type=click.Choice(["markov", "rnn"]), default="markov", show_default=True, help="DSpark's sequential head.")
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Drafter layers.")
-@click.option("--block", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
+@click.option("--gamma", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
 @click.option("--markov-rank", type=click.IntRange(min=1), default=None, help="Rank r of the Markov head (default by vocabulary).")
 @click.option("--feature-layers", default=None, help="Comma-separated target layers (default: evenly spaced from 1 to L-3).")
 @click.option("--data", type=click.Path(dir_okay=False, exists=True), required=True, multiple=True,
@@ -69,7 +69,7 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 @click.option("--until", type=click.IntRange(min=1), default=None, help="Stop at this step (resume later with the same command).")
 @click.option("--save-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Precision of the written weights (the bundled drafters use bfloat16).")
-def train(target, target_path, drafter_type, head, layers, block, markov_rank, feature_layers, data, out, steps, batch,
+def train(target, target_path, drafter_type, head, layers, gamma, markov_rank, feature_layers, data, out, steps, batch,
           anchors, lr, until, save_dtype) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
 
@@ -89,7 +89,7 @@ def train(target, target_path, drafter_type, head, layers, block, markov_rank, f
     spec = resolve_target(*default_to_demo(target, target_path))
     model, tokenizer = load_target(spec)
     layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
-    config = new_drafter_config(spec, tokenizer, drafter_type, head, layers, block, markov_rank, layers_list)
+    config = new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma, markov_rank, layers_list)
     drafter = build_drafter(config)
     attach_target(drafter, model)
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
@@ -125,16 +125,12 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
     from dspark_export.drafters.evaluate import evaluate, plot_acceptance
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
-    from dspark_runtime.prompts import read_prompts
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     spec = resolve_target(*default_to_demo(target, target_path))
     model, tokenizer = load_target(spec)
-    if prompts is None:
-        from dspark_export.demo.build import prompts_path
-
-        prompts = prompts_path()
     loaded = {name: load_drafter(resolve_drafter(name), model, tokenizer.vocab_hash()) for name in drafters}
-    rows = read_prompts(prompts, limit)
+    rows = read_prompts(prompts or demo_prompts_path(), limit)
     results = []
     for name, drafter in loaded.items():
         with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:

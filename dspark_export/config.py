@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dspark_runtime.errors import ConfigError, read_json_file
+from dspark_export.errors import CheckpointError, ConfigError
+from dspark_runtime.errors import read_json_file
 
 SUPPORTED_ROPE = ("default", "linear")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -135,7 +136,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Qwen3Config":
-        return cls.from_hf_dict(read_json_file(Path(path) / "config.json"))
+        return cls.from_hf_dict(read_json_file(Path(path) / "config.json", CheckpointError))
 
     def with_dtype(self, dtype: str) -> "Qwen3Config":
         return replace(self, dtype=dtype)

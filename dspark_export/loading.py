@@ -5,7 +5,7 @@ from __future__ import annotations
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.model import Qwen3Model
 from dspark_export.presets import TargetSpec
-from dspark_runtime.errors import CheckpointError
+from dspark_export.errors import CheckpointError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 

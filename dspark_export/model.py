@@ -47,7 +47,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class KVCache(nn.Module):
+class LayerCache(nn.Module):
     """Preallocated keys/values of one layer, `[B, Hkv, max_len, D]`, written at absolute positions."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype):
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
-    def forward(self, x, cos, sin, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, positions: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         if cache is None:
             return self.attend(q, k, v, None)
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, positions, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, positions, cache: LayerCache | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -151,7 +151,7 @@ class Qwen3Model(nn.Module):
         """Preallocate a KV cache of `max_len` positions for `batch` sequences (once, before decoding)."""
         c, dtype = self.config, self.embed_tokens.weight.dtype
         self.caches = nn.ModuleList(
-            KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype) for _ in range(c.num_hidden_layers)
+            LayerCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype) for _ in range(c.num_hidden_layers)
         )
 
     def forward(

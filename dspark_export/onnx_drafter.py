@@ -30,7 +30,7 @@ from dspark_export.onnx_target import DecoderOps, GRAPH_FORMAT, rope_tables
 from dspark_export.onnx_weights import ExternalData, convert
 from dspark_plugins.onnx_function import opset_imports, varlen_attention_function, varlen_attention_node
 from dspark_plugins.builder import GraphBuilder
-from dspark_runtime.errors import CheckpointError
+from dspark_export.errors import CheckpointError
 
 
 def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path, cpu: bool = False) -> Path:
@@ -117,7 +117,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     """The DSpark / DFlash graph body; returns (inputs, outputs) value infos."""
     t = config.target_config
     weight = ops.weight
-    hq, hkv, d, block, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block, t.vocab_size
+    hq, hkv, d, block, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.gamma, t.vocab_size
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
     # block inputs: [anchor, MASK x (γ-1)] per request at positions anchor_pos + j
@@ -160,7 +160,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         attended_all = f"attention_{layer}"
         b.nodes.append(varlen_attention_node(
             [b.op("Concat", query_pad, q, axis=0), b.op("Concat", new_k, k, axis=0), b.op("Concat", new_v, v, axis=0),
-             past_k, past_v, all_slot, all_pos, "cache_len"], attended_all, d, block=True, name=f"attention_node_{layer}"))
+             past_k, past_v, all_slot, all_pos, "cache_len"], attended_all, d, bidirectional=True, name=f"attention_node_{layer}"))
         attended = b.op("Slice", attended_all, context_count, b.const([np.iinfo(np.int64).max]), b.const([0]))
         x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
         h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
@@ -270,7 +270,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
             return greedy_candidates(sub)
         previous, state = "anchor_ids", None
         tokens, probs = [], []
-        for k in range(config.block):
+        for k in range(config.gamma):
             logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V]
             if config.head != "none":
                 vector, state = head_input(sub, previous, state, k)
@@ -285,7 +285,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
         top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
         rows = sub.op("Transpose", sub.op("Gather", weights("markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
         previous, state, tokens = "anchor_ids", None, []
-        for k in range(config.block):
+        for k in range(config.gamma):
             index = sub.const(k)
             vector, state = head_input(sub, previous, state, k)
             bias = sub.op("MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1))  # [R, 1, M]
@@ -299,7 +299,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
     tokens, _ = sampler.chain(chain, [("draft_tokens", TensorProto.INT64), ("draft_probs", TensorProto.FLOAT)])
     if config.confidence:  # σ(w · [h_k, W1[previous_k]] + b): previous = [anchor, drafts 0..γ-2]
         previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
-                        b.op("Slice", tokens, b.const([0]), b.const([config.block - 1]), b.const([1])), axis=1)
+                        b.op("Slice", tokens, b.const([0]), b.const([config.gamma - 1]), b.const([1])), axis=1)
         features = b.op("Concat", hidden, b.op("Gather", weights("markov_w1.weight"), previous), axis=-1)  # [R, γ, H + r]
         logits = b.op("MatMul", features, b.op("Transpose", weights("confidence_head.weight")))  # [R, γ, 1]
         b.op("Squeeze", b.op("Add", logits, weights("confidence_head.bias")), b.const([2]), name="confidence_logits")

@@ -63,11 +63,11 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
     entries = finish(attend(q0, keys, values, slots, positions), context)  # step 0 of every new entry
     hidden = b.op("Gather", entries, "context_last", axis=0)  # [R, H]: the newest entry of each request
     tokens, probs = [], []
-    for step in range(config.block):
+    for step in range(config.gamma):
         token, prob = sampler.pick(ops.weight.linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         probs.append(prob)
-        if step == config.block - 1:
+        if step == config.gamma - 1:
             break
         pos = b.op("Add", "anchor_pos", b.const(step))  # entry a-1, chain step `step + 1`
         q, k, v = project(token, hidden, pos)
@@ -81,9 +81,9 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
         ("context_ids", "C"), ("context_slot", "C"), ("context_pos", "C"), ("context_last", "R"), ("anchor_pos", "R"),
         ("request_slot", "R"), ("cache_len", "S")]]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", hkv, "Lmax", d]) for n in ("past_key_0", "past_value_0")]
-    inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", config.block]),
+    inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", config.gamma]),
                helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
-    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", config.block]),
-               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.block, "P"])]
+    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", config.gamma]),
+               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.gamma, "P"])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["C", hkv, d]) for n in ("new_key_0", "new_value_0")]
     return inputs, outputs

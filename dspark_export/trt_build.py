@@ -24,7 +24,7 @@ def dimension_ranges(manifest: Manifest) -> dict[str, tuple[int, int, int]]:
     """(min, opt, max) of every symbolic dimension the graphs use. `opt` is one verification step of
     every slot (γ + 1 tokens each), the load the engine is tuned for."""
     tokens, slots = manifest.max_batch_tokens, manifest.cache_slots
-    step = min(tokens, slots * (manifest.block + 1))
+    step = min(tokens, slots * (manifest.gamma + 1))
     return {
         "T": (1, step, tokens),  # target: flattened new tokens
         "N": (1, step, tokens),  # target: rows that want logits
@@ -74,7 +74,10 @@ def build_trt_engines(folder: Path, manifest: Manifest) -> list[Path]:
 
     from dspark_plugins.trt_plugin import register_plugin
 
-    register_plugin()
+    try:
+        register_plugin()
+    except ImportError as exc:
+        raise MissingDependencyError(str(exc)) from None
     ranges = dimension_ranges(manifest)
     engines = []
     for name in (TARGET_GRAPH, DRAFTER_GRAPH):

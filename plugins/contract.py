@@ -14,13 +14,13 @@ Inputs
     pos        [T] int64           absolute position of each token
     cache_len  [S] int64           committed length per slot
 Attributes
-    block      int (0/1)           0: causal among the new tokens of a slot; 1: bidirectional (drafter block)
+    bidirectional int (0/1)        0: causal among the new tokens of a slot; 1: all see each other (drafter block)
     scale      float               score scale, default 1/sqrt(D)
 Output
     out        [T, Hq, D]
 
 Rule: token t attends to k_cache[slot(t), :, 0:cache_len(slot(t))] and to the new tokens t' with
-slot(t') = slot(t) and (block or pos(t') <= pos(t)). Query head h reads KV head h // (Hq / Hkv).
+slot(t') = slot(t) and (bidirectional or pos(t') <= pos(t)). Query head h reads KV head h // (Hq / Hkv).
 The op does not write the cache: the runtime commits accepted K/V at (slot, pos).
 """
 

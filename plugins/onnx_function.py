@@ -24,7 +24,7 @@ NEG = -1e30  # masked score; scores are float32, so half-precision graphs do not
 
 
 def varlen_attention_function() -> FunctionProto:
-    """The FunctionProto (domain `dspark`), with attributes `block` (int 0/1) and `scale` (float)."""
+    """The FunctionProto (domain `dspark`), with attributes `bidirectional` (int 0/1) and `scale` (float)."""
     b = GraphBuilder("va_")
     zero, one = b.const(0), b.const(1)
     ax0, ax1, ax2, last = b.const([0]), b.const([1]), b.const([2]), b.const([-1])
@@ -88,8 +88,8 @@ def varlen_attention_function() -> FunctionProto:
     k_new32 = b.op("Cast", k_new5, to=TensorProto.FLOAT)
     new_scores = b.op("Mul", b.op("MatMul", q32, b.op("Transpose", k_new32, perm=[0, 1, 2, 4, 3])), scale)
     pos_query, pos_key = b.op("Unsqueeze", pos_pad, last), b.op("Unsqueeze", pos_pad, ax1)  # [A, n, 1], [A, 1, n]
-    block = b.op("Cast", b.attribute_const("block", "int"), to=TensorProto.BOOL)
-    order_ok = b.op("Or", b.op("LessOrEqual", pos_key, pos_query), block)
+    bidirectional = b.op("Cast", b.attribute_const("bidirectional", "int"), to=TensorProto.BOOL)
+    order_ok = b.op("Or", b.op("LessOrEqual", pos_key, pos_query), bidirectional)
     new_visible = b.op("And", order_ok, b.op("GreaterOrEqual", pos_key, zero))  # padding keys never seen
     new_mask = b.op("Unsqueeze", new_visible, b.const([1, 2]))  # [A, 1, 1, n, n]
     new_scores = b.op("Where", new_mask, new_scores, neg)
@@ -107,15 +107,15 @@ def varlen_attention_function() -> FunctionProto:
     return helper.make_function(
         DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), b.nodes,
         opset_imports=[helper.make_opsetid("", OPSET)],
-        attributes=["block", "scale", "plugin_namespace", "plugin_version"],
+        attributes=["bidirectional", "scale", "plugin_namespace", "plugin_version"],
     )
 
 
-def varlen_attention_node(inputs: list[str], output: str, head_dim: int, block: bool = False,
+def varlen_attention_node(inputs: list[str], output: str, head_dim: int, bidirectional: bool = False,
                           name: str | None = None) -> NodeProto:
     """A call of the op, carrying the TensorRT plugin attributes."""
     return helper.make_node(
-        OP_TYPE, inputs, [output], name=name, domain=DOMAIN, block=int(block), scale=1.0 / math.sqrt(head_dim),
+        OP_TYPE, inputs, [output], name=name, domain=DOMAIN, bidirectional=int(bidirectional), scale=1.0 / math.sqrt(head_dim),
         plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def varlen_attention(q, k_new, v_new, k_cache, v_cache, slot, pos, cache_len, block: bool = False,
+def varlen_attention(q, k_new, v_new, k_cache, v_cache, slot, pos, cache_len, bidirectional: bool = False,
                      scale: float | None = None) -> np.ndarray:
     """Attention of each new token over its own slot's cache prefix and its slot's new tokens. Float64 inside."""
     tokens, q_heads, dim = q.shape
@@ -14,7 +14,7 @@ def varlen_attention(q, k_new, v_new, k_cache, v_cache, slot, pos, cache_len, bl
     out = np.zeros((tokens, q_heads, dim), dtype=np.float64)
     for t in range(tokens):
         s, length = slot[t], cache_len[slot[t]]
-        peers = np.flatnonzero((slot == s) & (True if block else pos <= pos[t]))
+        peers = np.flatnonzero((slot == s) & (True if bidirectional else pos <= pos[t]))
         for h in range(q_heads):
             kv = h // group
             keys = np.concatenate([k_cache[s, kv, :length], k_new[peers, kv]]).astype(np.float64)

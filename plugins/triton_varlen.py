@@ -46,7 +46,7 @@ def _varlen_kernel(
     tokens, scale,
     sq_t, sq_h, skn_t, skn_h, sc_s, sc_h, sc_l, sm_t, sm_h, sa_t, sa_h, sa_s,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_MODE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv = tl.program_id(1)
@@ -79,14 +79,14 @@ def _varlen_kernel(
         v = tl.load(values + rows[:, None] * sc_l + dims[None, :], mask=mask, other=0.0)
         m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc, scale, UPCAST)
 
-    # split 0 also reads the new tokens of the same slot (causal by position unless BLOCK_MODE)
+    # split 0 also reads the new tokens of the same slot (causal by position unless BIDIRECTIONAL)
     new_stop = tl.where(split == 0, tokens, 0)
     for first in range(0, new_stop, BLOCK_N):
         peers = first + tl.arange(0, BLOCK_N)
         inside = peers < tokens
         peer_slot = tl.load(SLOT + peers, mask=inside, other=-1)
         valid = inside & (peer_slot == slot)
-        if not BLOCK_MODE:
+        if not BIDIRECTIONAL:
             peer_pos = tl.load(POS + peers, mask=inside, other=0)
             valid = valid & (peer_pos <= pos)
         mask = valid[:, None] & dim_ok[None, :]
@@ -112,7 +112,7 @@ def default_splits(tokens: int, kv_heads: int, max_context: int, programs: int =
 
 def varlen_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, cache_len: torch.Tensor,
-                     block: bool = False, scale: float | None = None, splits: int | None = None,
+                     bidirectional: bool = False, scale: float | None = None, splits: int | None = None,
                      block_n: int = 64) -> torch.Tensor:
     """The op on torch tensors (shapes as in the contract); returns out [T, Hq, D] in q's dtype."""
     tokens, q_heads, dim = q.shape
@@ -137,7 +137,7 @@ def varlen_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
             GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), DIM=dim,
-            DIM_P2=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=splits, BLOCK_MODE=bool(block),
+            DIM_P2=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SPLITS=splits, BIDIRECTIONAL=bool(bidirectional),
             UPCAST=INTERPRETING and q.dtype == torch.bfloat16,
         )
     return merge_splits(m, l_sum, acc).to(q.dtype)

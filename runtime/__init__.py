@@ -6,16 +6,14 @@
 """
 
 from dspark_runtime.engine import Completion, Engine, Request
-from dspark_runtime.errors import CheckpointError, ConfigError, DSparkError, MissingDependencyError, TokenizerError
+from dspark_runtime.errors import DSparkError, MissingDependencyError, TokenizerError
 from dspark_runtime.output import Delta
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 from dspark_runtime.tokenizer import ChatTokenizer
 
 __all__ = [
     "ChatTokenizer",
-    "CheckpointError",
     "Completion",
-    "ConfigError",
     "DSparkError",
     "Delta",
     "Engine",

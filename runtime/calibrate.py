@@ -27,13 +27,13 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     per sampling temperature and requests use the fit nearest their own. `bias` also fits an offset per
     position (see `dspark_calibration.sts`).
     """
-    block = engine.core.block
-    if not block or engine.manifest.drafter.get("confidence") is not True:
+    gamma = engine.core.gamma
+    if not gamma or engine.manifest.drafter.get("confidence") is not True:
         raise DSparkError("calibration needs an engine whose drafter has a confidence head (a DSpark drafter)")
     engine.core.round_log = []
     try:  # all prompts at once: the engine batches them over its cache slots
         requests = [engine.submit(prompt_of(row), replace(params, seed=index if params.seed is None else params.seed + index),
-                                  spec=f"fixed:{block}", truncate=True) for index, row in enumerate(rows)]
+                                  spec=f"fixed:{gamma}", truncate=True) for index, row in enumerate(rows)]
         held_out_ids = {request.sequence.request_id for request in requests[1::2]}
         for request in requests:
             request.result()

@@ -9,13 +9,6 @@ import click
 from dspark_runtime.cli_errors import DSparkGroup
 
 
-def demo_prompts_file() -> str:
-    """The demo's held-out prompt sets, shipped with the exporter's package data."""
-    from importlib import resources
-
-    return str(resources.files("dspark_export") / "assets" / "prompts" / "demo.jsonl")
-
-
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
     """click callback: "1,4,8" -> [1, 4, 8]."""
     try:
@@ -165,10 +158,10 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
     from dspark_runtime.engine import Engine
-    from dspark_runtime.prompts import read_prompts
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
     from dspark_runtime.sampling import SamplingParams
 
-    rows = read_prompts(prompts or demo_prompts_file(), limit)
+    rows = read_prompts(prompts or demo_prompts_path(), limit)
     if domains:
         rows = [r for r in rows if r.get("domain") in domains.split(",")]
         if not rows:
@@ -202,7 +195,7 @@ def profile(engine_dir, context, repeats, threads) -> None:
     from dspark_runtime.profiling import target_sizes
 
     with Engine.load(engine_dir, threads=threads, profile=False) as engine:
-        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.core.block else 0)
+        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.core.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, repeats, lambda graph, n: bar.update())
     target = curve["target_seconds"]
@@ -225,10 +218,10 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias
 
     from dspark_runtime.calibrate import calibrate as run_calibration
     from dspark_runtime.engine import Engine
-    from dspark_runtime.prompts import read_prompts
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
     from dspark_runtime.sampling import SamplingParams
 
-    rows = read_prompts(prompts or demo_prompts_file(), limit)
+    rows = read_prompts(prompts or demo_prompts_path(), limit)
     with Engine.load(engine_dir, threads=threads) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
             report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,

@@ -15,7 +15,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from dspark_calibration.sts import survival
+from dspark_calibration.sts import prefix_survival
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.kv_cache import KVCache, SlotPool
 from dspark_runtime.sampling import target_rows
@@ -49,8 +49,8 @@ class EngineCore:
         self.run_target, self.run_drafter, self.emit = run_target, run_drafter, emit
         kv_heads, head_dim = target["num_key_value_heads"], target["head_dim"]
         self.target_cache = KVCache(target["num_hidden_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
-        self.block = manifest.block if run_drafter else 0
-        if self.block:
+        self.gamma = manifest.gamma if run_drafter else 0
+        if self.gamma:
             self.drafter_cache = KVCache(manifest.drafter["num_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
@@ -70,8 +70,8 @@ class EngineCore:
 
     def set_curve(self, curve: SpeedCurve | None) -> None:
         self.curve = curve
-        self.async_scheduler = AsyncScheduler(curve, self.block) if curve is not None else None
-        self.gate = DraftGate(curve, self.block) if curve is not None else None
+        self.async_scheduler = AsyncScheduler(curve, self.gamma) if curve is not None else None
+        self.gate = DraftGate(curve, self.gamma) if curve is not None else None
 
     # ---- admission ------------------------------------------------------------------------------
     def add(self, sequence: Sequence) -> None:
@@ -119,7 +119,7 @@ class EngineCore:
             if s.drafts is None or not s.spec.drafting:
                 lengths[s.request_id] = 0
             elif s.spec.kind == "fixed":
-                lengths[s.request_id] = min(s.spec.drafts, self.block)
+                lengths[s.request_id] = min(s.spec.drafts, self.gamma)
             else:
                 scheduled[s.spec.kind].append(s)
         for kind, group in scheduled.items():
@@ -127,7 +127,7 @@ class EngineCore:
                 continue
             survival = np.stack([s.survival for s in group])
             if kind == "sync":
-                chosen = schedule_sync(survival, self.curve, self.block)
+                chosen = schedule_sync(survival, self.curve, self.gamma)
             else:
                 chosen = self.async_scheduler.schedule(survival)
             lengths.update({s.request_id: int(n) for s, n in zip(group, chosen)})
@@ -139,9 +139,9 @@ class EngineCore:
     def _survival(self, logits: np.ndarray | None, temperature: float) -> np.ndarray:
         """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
         if logits is None:
-            return np.ones(self.block)
+            return np.ones(self.gamma)
         scales, offsets = self.sts[min(self.sts, key=lambda t: abs(t - temperature))] if self.sts else (1.0, 0.0)
-        return survival(logits[None], scales, offsets)[0]
+        return prefix_survival(logits[None], scales, offsets)[0]
 
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
         """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting
@@ -150,7 +150,7 @@ class EngineCore:
         if not scheduled or len(scheduled) < len(sequences):
             return sequences  # a fixed:K request pays for the drafter call anyway
         known = [s.survival for s in scheduled if s.survival is not None]
-        unknown = np.mean(known, axis=0) if known else np.ones(self.block)  # new requests: like the others
+        unknown = np.mean(known, axis=0) if known else np.ones(self.gamma)  # new requests: like the others
         survival = np.stack([unknown if s.survival is None else s.survival for s in scheduled])
         if self.gate.worth_drafting(survival, sum(s.target_len - s.drafter_len for s in scheduled)):
             return sequences
@@ -198,7 +198,7 @@ class EngineCore:
     def _advance(self, row: _Row, outputs: dict[str, np.ndarray]) -> None:
         s = row.sequence
         features = outputs.get("features")
-        if features is not None and s.spec.drafting and self.block:
+        if features is not None and s.spec.drafting and self.gamma:
             s.pending_features.append(features[row.start : row.start + row.count])
         logits = outputs["logits"][row.logit_start : row.logit_start + row.logit_count]
         if row.drafts < 0:  # a prefill chunk
@@ -217,14 +217,14 @@ class EngineCore:
             accepted, token = 0, sample(processed[0], s.rng)
         else:
             accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
-        if self.round_log is not None and row.drafts == self.block and s.confidence_logits is not None:
+        if self.round_log is not None and row.drafts == self.gamma and s.confidence_logits is not None:
             self.round_log.append((s.request_id, s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
         if row.drafts:
             s.stats.rounds += 1
             s.stats.drafted += row.drafts
             s.stats.accepted += accepted
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
-        if features is not None and s.spec.drafting and self.block:
+        if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
         self._emit(s, drafts[:accepted].tolist() + [token])
 
@@ -237,7 +237,7 @@ class EngineCore:
         self.emit(s, tokens)
 
     def _draft(self, sequences: list[Sequence]) -> None:
-        if not sequences or not self.block:
+        if not sequences or not self.gamma:
             return
         context = [np.concatenate(s.pending_features) for s in sequences]
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
@@ -254,7 +254,7 @@ class EngineCore:
             "anchor_pos": np.asarray([s.target_len for s in sequences], dtype=np.int64),
             "request_slot": np.asarray([s.slot for s in sequences], dtype=np.int64),
             "cache_len": cache_len,
-            "noise": np.stack([s.rng.uniform(1e-12, 1.0, self.block) for s in sequences]).astype(np.float32).clip(1e-12, 1 - 1e-7),
+            "noise": np.stack([s.rng.uniform(1e-12, 1.0, self.gamma) for s in sequences]).astype(np.float32).clip(1e-12, 1 - 1e-7),
             "temperature": np.asarray([s.params.temperature for s in sequences], dtype=np.float32),
         }
         outputs = self._timed("drafter", self.run_drafter, feeds | self.drafter_cache.feeds())

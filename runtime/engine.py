@@ -119,8 +119,8 @@ class Engine:
                truncate: bool = False) -> Request:
         """Queue a request; it starts as soon as a cache slot is free."""
         params = params or SamplingParams()
-        mode = SpecMode.parse(spec, self.core.block, scheduled=self.core.curve is not None)
-        if mode.drafting and not self.core.block:
+        mode = SpecMode.parse(spec, self.core.gamma, scheduled=self.core.curve is not None)
+        if mode.drafting and not self.core.gamma:
             raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
         if mode.kind in ("sync", "async") and self.core.curve is None:
             raise InvalidRequestError(f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first")

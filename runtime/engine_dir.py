@@ -47,9 +47,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     @property
-    def block(self) -> int:
+    def gamma(self) -> int:
         """γ: draft tokens per round (0 for a target-only engine)."""
-        return int(self.drafter["block"]) if self.drafter else 0
+        return int(self.drafter["gamma"]) if self.drafter else 0
 
 
 def file_digest(path: Path) -> str:

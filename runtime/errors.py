@@ -8,14 +8,6 @@ class DSparkError(Exception):
     """Base of every error DSpark raises on purpose."""
 
 
-class ConfigError(DSparkError):
-    """A model or drafter configuration that DSpark cannot run (unknown preset, unsupported architecture)."""
-
-
-class CheckpointError(DSparkError):
-    """A checkpoint that is missing, incomplete, corrupt or does not match its configuration."""
-
-
 class TokenizerError(DSparkError):
     """A tokenizer or chat template that cannot be loaded or rendered."""
 
@@ -24,7 +16,7 @@ class MissingDependencyError(DSparkError):
     """An optional backend is not installed; the message names the extra that brings it."""
 
 
-def read_json_file(file: Path, error: type[DSparkError] = CheckpointError) -> dict:
+def read_json_file(file: Path, error: type[DSparkError] = DSparkError) -> dict:
     """A JSON object from `file`, or `error` saying the file is missing or not valid JSON."""
     if not file.is_file():
         raise error(f"no {file.name} in {file.parent}")

@@ -54,7 +54,7 @@ def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: in
         "anchor_pos": np.full(requests, context + new_context, dtype=np.int64),
         "request_slot": slots.astype(np.int64),
         "cache_len": cache_len,
-        "noise": np.full((requests, core.block), 0.5, dtype=np.float32),
+        "noise": np.full((requests, core.gamma), 0.5, dtype=np.float32),
         "temperature": np.ones(requests, dtype=np.float32),
     } | core.drafter_cache.feeds()
 
@@ -63,14 +63,14 @@ def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7
             progress: Callable[[str, int], None] | None = None) -> dict:
     """Measure both tables and write `hardware_curve.json` into the engine directory."""
     manifest = core.manifest
-    context = min(context, manifest.max_context - manifest.max_batch_tokens - core.block - 1)
+    context = min(context, manifest.max_context - manifest.max_batch_tokens - core.gamma - 1)
     context = max(context, 0)
     sizes = target_sizes(manifest.max_batch_tokens)
     measured = cost_table(sizes, lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
                           progress and (lambda n: progress("target", n)))
     target = np.interp(np.arange(1, manifest.max_batch_tokens + 1), sizes, measured)
     draft, per_row = np.zeros(manifest.cache_slots), 0.0
-    if core.block:
+    if core.gamma:
         draft = cost_table(range(1, manifest.cache_slots + 1),
                            lambda r: lambda: core.run_drafter(drafter_feeds(core, r, context)), repeats,
                            progress and (lambda n: progress("drafter", n)))

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
+
+
+def demo_prompts_path() -> Path:
+    """The bundled demo's held-out prompts (60 per domain), the default of every benchmark command."""
+    return Path(str(resources.files("dspark_runtime") / "assets" / "demo-prompts.jsonl"))
 
 
 def read_prompts(file: str | Path, per_domain: int | None = None) -> list[dict]:

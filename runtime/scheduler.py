@@ -71,8 +71,8 @@ def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = Non
 
     survival [R, γ] -> drafts to verify per request [R] (at most `cap` each).
     """
-    requests, block = survival.shape
-    cap = block if cap is None else min(cap, block)
+    requests, gamma = survival.shape
+    cap = gamma if cap is None else min(cap, gamma)
     lengths = np.zeros(requests, dtype=np.int64)
     tokens, expected = requests, float(requests)
     best = expected * curve.steps_per_second(tokens, requests)
@@ -88,8 +88,8 @@ def schedule_sync(survival: np.ndarray, curve: SpeedCurve, cap: int | None = Non
 def path_throughputs(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None,
                      context_rows: int = 0) -> np.ndarray:
     """Θ after admitting the first k candidates of the greedy path, k = 0, 1, ..., every candidate."""
-    requests, block = survival.shape
-    a = survival[:, : (block if cap is None else min(cap, block))]
+    requests, gamma = survival.shape
+    a = survival[:, : (gamma if cap is None else min(cap, gamma))]
     gains = np.concatenate([[0.0], np.cumsum(np.sort(a[a > 0])[::-1])])  # the path takes the largest a first
     return (requests + gains) * curve.steps_per_second(requests + np.arange(len(gains)), requests, context_rows)
 
@@ -101,15 +101,15 @@ def capacity(survival: np.ndarray, curve: SpeedCurve, cap: int | None = None) ->
 
 def schedule_top_k(survival: np.ndarray, budget: int, cap: int | None = None) -> np.ndarray:
     """The `budget` best candidates by current a (prefix-closed per request)."""
-    requests, block = survival.shape
+    requests, gamma = survival.shape
     lengths = np.zeros(requests, dtype=np.int64)
-    for _, j, r in candidates(survival[:, : (block if cap is None else min(cap, block))])[:budget]:
+    for _, j, r in candidates(survival[:, : (gamma if cap is None else min(cap, gamma))])[:budget]:
         lengths[r] = max(lengths[r], j + 1)
     return lengths
 
 
-def schedule_fixed(requests: int, drafts: int, block: int) -> np.ndarray:
-    return np.full(requests, min(drafts, block), dtype=np.int64)
+def schedule_fixed(requests: int, drafts: int, gamma: int) -> np.ndarray:
+    return np.full(requests, min(drafts, gamma), dtype=np.int64)
 
 
 class AsyncScheduler:

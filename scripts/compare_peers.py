@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers", help="where GGUF files go")
     args = parser.parse_args()
 
-    from dspark_export.demo.build import prompts_path
+    from dspark_runtime.prompts import demo_prompts_path
     from dspark_export.presets import resolve_target
     from dspark_runtime import Engine, SamplingParams
     from dspark_runtime.prompts import read_prompts
@@ -104,7 +104,7 @@ def main() -> None:
     if "llama.cpp" in names and args.llama_cpp_source is None:
         parser.error("the llama.cpp peer needs --llama-cpp-source (see the docstring)")
     args.work.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in read_prompts(prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
+    rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     with Engine.load(args.engine_dir, threads=args.threads) as engine:
         model_dir = resolve_target(engine.manifest.target_name, None).require_path()

@@ -25,12 +25,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from dspark_export.demo.build import prompts_path
+    from dspark_runtime.prompts import demo_prompts_path
     from dspark_runtime import Engine, SamplingParams
     from dspark_runtime.bench import run_mode
     from dspark_runtime.prompts import read_prompts
 
-    rows = read_prompts(prompts_path(), args.limit)
+    rows = read_prompts(demo_prompts_path(), args.limit)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     results = []
     with Engine.load(args.engine_dir, threads=args.threads) as engine:

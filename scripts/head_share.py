@@ -3,7 +3,7 @@
     python scripts/head_share.py --drafter demo-dspark [--context 256] [--requests 1,8] [--repeats 50]
 
 Times, in torch on this CPU, the parts of drafting γ tokens for R requests: the parallel part (feature
-fusion, backbone over the block, LM head), the heads (γ sequential-head steps and the confidence head),
+fusion, backbone over the gamma, LM head), the heads (γ sequential-head steps and the confidence head),
 and sampling (the same for every drafter). Medians of `--repeats` runs, single-threaded for stable numbers.
 """
 
@@ -21,19 +21,19 @@ def median_ms(fn, repeats: int) -> float:
 
 @torch.no_grad()
 def measure(drafter, context: int, requests: int, repeats: int) -> dict:
-    from dspark_export.drafters.block import pick
+    from dspark_export.drafters.block_drafter import pick
 
     config, target = drafter.config, drafter.config.target_config
-    block, hidden_size = config.block, target.hidden_size
+    gamma, hidden_size = config.gamma, target.hidden_size
     features = torch.randn(requests, context, hidden_size * len(config.feature_layers))
-    ids = torch.full((requests, block), config.mask_token_id)
-    positions = torch.arange(context, context + block).expand(requests, block)
-    mask = torch.ones(requests, 1, block, context + block, dtype=torch.bool)
+    ids = torch.full((requests, gamma), config.mask_token_id)
+    positions = torch.arange(context, context + gamma).expand(requests, gamma)
+    mask = torch.ones(requests, 1, gamma, context + gamma, dtype=torch.bool)
     context_positions = torch.arange(context).expand(requests, context)
     previous = torch.randint(4, target.vocab_size, (requests,))
     hidden = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
     base = drafter.base_logits(hidden)
-    noise = torch.rand(requests, block)
+    noise = torch.rand(requests, gamma)
 
     def parallel():
         out = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
@@ -41,12 +41,12 @@ def measure(drafter, context: int, requests: int, repeats: int) -> dict:
 
     def heads():
         state = None
-        for k in range(block):
+        for k in range(gamma):
             _, code, state = drafter.head_step(hidden[:, k], previous, state)
             drafter.confidence_head(torch.cat([hidden[:, k], code], -1))
 
     def sampling():
-        for k in range(block):
+        for k in range(gamma):
             pick(base[:, k], 1.0, noise[:, k])
 
     parts = {"parallel_ms": median_ms(parallel, repeats), "heads_ms": median_ms(heads, repeats),

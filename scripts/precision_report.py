@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     from dspark_export.build import build_engine
-    from dspark_export.demo.build import prompts_path
+    from dspark_runtime.prompts import demo_prompts_path
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
     from dspark_runtime.prompts import read_prompts
@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = resolve_target("demo")
     model, tokenizer = load_target(spec)
-    rows = read_prompts(prompts_path(), args.prompts)
+    rows = read_prompts(demo_prompts_path(), args.prompts)
     graphs = {dtype: build_engine(spec, args.work / dtype, dtype=dtype, force=True, show_progress=False) / "target.onnx"
               for dtype in ("float32", "float16")}
     errors: dict[str, list] = {"onnx float32": [], "onnx float16": [], "torch bfloat16": []}

@@ -33,7 +33,7 @@ def write_drafter(target_folder, out, **overrides):
     config = Qwen3Config.from_dir(target_folder)
     fields = dict(drafter_type="dspark", target=config.architecture_fields() | {"dtype": "float32"},
                   vocab_hash=ChatTokenizer.from_dir(target_folder).vocab_hash(), mask_token_id=3, num_layers=1,
-                  block=3, feature_layers=(1,), markov_rank=8)
+                  gamma=3, feature_layers=(1,), markov_rank=8)
     save_drafter(build_drafter(DrafterConfig(**(fields | overrides))), out)
     return out
 
@@ -47,7 +47,7 @@ def test_build_writes_a_verified_engine(tmp_path, target):
     result = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"), "--cache-slots", "4")
     assert result.exit_code == 0, result.output
     manifest = read_manifest(tmp_path / "engine")
-    assert manifest.block == 3 and manifest.cache_slots == 4 and manifest.feature_layers == [1]
+    assert manifest.gamma == 3 and manifest.cache_slots == 4 and manifest.feature_layers == [1]
     assert {"target.onnx", "target.onnx.data", "drafter.onnx", "tokenizer.json"} <= set(manifest.files)
     for graph in ("target.onnx", "drafter.onnx"):
         onnx.checker.check_model(str(tmp_path / "engine" / graph), full_check=True)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dspark_export.demo.build import DEMO_CONFIG, prompts_path
+from dspark_export.demo.build import DEMO_CONFIG
+from dspark_runtime.prompts import demo_prompts_path
 from dspark_export.presets import demo_dir, resolve_target
 from dspark_runtime.tokenizer import ChatTokenizer
 
@@ -69,7 +70,7 @@ def test_chat_template_renders_two_turns():
 
 
 def test_held_out_prompt_sets():
-    rows = [json.loads(line) for line in prompts_path().read_text().splitlines()]
+    rows = [json.loads(line) for line in demo_prompts_path().read_text().splitlines()]
     for domain in ("code", "math", "chat"):
         assert sum(r["domain"] == domain for r in rows) >= 50
     chat = [r for r in rows if r["domain"] != "code"]

@@ -10,14 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dspark_export.config import Qwen3Config  # noqa: E402
-from dspark_export.drafters.blocks import block_mask, build_blocks  # noqa: E402
+from dspark_export.drafters.anchors import block_mask, build_blocks  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, load_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig, default_feature_layers  # noqa: E402
 from dspark_export.drafters.data import Sequences  # noqa: E402
 from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: E402
 from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
-from dspark_runtime.errors import ConfigError  # noqa: E402
+from dspark_export.errors import ConfigError  # noqa: E402
 
 TARGET = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
@@ -25,7 +25,7 @@ TARGET = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hi
 
 def drafter_config(kind="dspark", head="markov", **overrides) -> DrafterConfig:
     fields = dict(drafter_type=kind, target=TARGET.architecture_fields() | {"dtype": "float32"}, vocab_hash="abc",
-                  mask_token_id=3, num_layers=1, block=4, feature_layers=(1, 2), head=head, markov_rank=8,
+                  mask_token_id=3, num_layers=1, gamma=4, feature_layers=(1, 2), head=head, markov_rank=8,
                   confidence=kind == "dspark")
     if kind != "dspark":
         fields["head"] = "none"
@@ -48,7 +48,7 @@ def test_feature_layer_defaults():
 
 
 def test_block_mask_constructed_case():
-    mask = block_mask(torch.tensor([[2, 5]]), context_length=8, block=3)[0, 0].int()
+    mask = block_mask(torch.tensor([[2, 5]]), context_length=8, gamma=3)[0, 0].int()
     expected = torch.zeros(6, 14, dtype=torch.int32)
     expected[0:3, 0:2] = 1  # anchor 2: context strictly before position 2 (never its own feature)
     expected[3:6, 0:5] = 1  # anchor 5: positions 0..4
@@ -59,7 +59,7 @@ def test_block_mask_constructed_case():
 
 def test_blocks_inputs_labels_and_validity():
     tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0]])
-    blocks = build_blocks(tokens, torch.tensor([6]), torch.tensor([3]), torch.tensor([[2, 4]]), block=3, mask_token_id=99)
+    blocks = build_blocks(tokens, torch.tensor([6]), torch.tensor([3]), torch.tensor([[2, 4]]), gamma=3, mask_token_id=99)
     assert blocks.input_ids.tolist() == [[[12, 99, 99], [14, 99, 99]]]
     assert blocks.previous.tolist() == [[[12, 13, 14], [14, 15, 0]]]  # past the end: padding, masked below
     assert blocks.labels[0, 0].tolist() == [13, 14, 15]
@@ -190,7 +190,7 @@ def test_greedy_speculative_generation_equals_target_greedy(target, kind):
             ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     generation = speculative_generate(target, drafter, prompt, max_new=20, temperature=0.0, seed=0)
     assert generation.tokens == ids[0, len(prompt):].tolist()
-    summary = summarize(generation.rounds, block=4)
+    summary = summarize(generation.rounds, gamma=4)
     assert 1.0 <= summary["tau"] <= 5.0 and len(summary["per_position_acceptance"]) == 4
     for r in generation.rounds:  # greedy: the true acceptance is 1 up to the first mismatch, which has 0
         assert r.acceptance[: r.accepted] == [1.0] * r.accepted and (r.accepted == 4 or r.acceptance[r.accepted] == 0.0)
@@ -204,10 +204,10 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(target):
         config = drafter_config("dflash")
 
     def oracle_draft(drafter, committed, features, temperature, noise):
-        from dspark_export.drafters.block import Draft
+        from dspark_export.drafters.block_drafter import Draft
 
         ids = committed
-        for _ in range(drafter.config.block):
+        for _ in range(drafter.config.gamma):
             ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
         tokens = ids[:, committed.shape[1]:]
         return Draft(tokens, torch.nn.functional.one_hot(tokens, TARGET.vocab_size).float(), torch.ones(tokens.shape))

@@ -33,7 +33,7 @@ def write_sequences(file, count=12, length=24):
 def test_train_then_eval(tmp_path, tiny_target, kind):
     write_sequences(tmp_path / "data.npz")
     runner = CliRunner()
-    trained = runner.invoke(main, ["train", "--target-path", str(tiny_target), "--drafter-type", kind, "--block", "3",
+    trained = runner.invoke(main, ["train", "--target-path", str(tiny_target), "--drafter-type", kind, "--gamma", "3",
                                    "--data", str(tmp_path / "data.npz"), "--out", str(tmp_path / kind), "--steps", "3",
                                    "--batch", "2", "--anchors", "2"])
     assert trained.exit_code == 0, trained.output
@@ -55,7 +55,7 @@ def test_eval_refuses_a_drafter_of_another_target(tmp_path, tiny_target):
     write_sequences(tmp_path / "data.npz")
     runner = CliRunner()
     runner.invoke(main, ["train", "--target-path", str(tiny_target), "--data", str(tmp_path / "data.npz"),
-                         "--out", str(tmp_path / "d"), "--steps", "1", "--batch", "2", "--anchors", "1", "--block", "2"])
+                         "--out", str(tmp_path / "d"), "--steps", "1", "--batch", "2", "--anchors", "1", "--gamma", "2"])
     other = write_hf_checkpoint(tmp_path / "other", hidden_size=32, num_attention_heads=2, vocab_size=300)
     train_tokenizer(["something else entirely"] * 30, other, vocab_size=300)
     result = runner.invoke(main, ["eval", "--target-path", str(other), "--drafter", str(tmp_path / "d")])

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
-from dspark_export.drafters.block import block_draft  # noqa: E402
+from dspark_export.drafters.block_drafter import block_draft  # noqa: E402
 from dspark_export.drafters.eagle3 import eagle3_draft  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
@@ -20,7 +20,7 @@ from dspark_export.model import Qwen3Model  # noqa: E402
 from dspark_export.onnx_drafter import build_drafter_onnx  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
-SLOTS, LMAX, BLOCK = 3, 40, 4
+SLOTS, LMAX, GAMMA = 3, 40, 4
 
 
 def make_drafter(tmp_path, kind, head):
@@ -30,7 +30,7 @@ def make_drafter(tmp_path, kind, head):
     target = Qwen3Model.from_checkpoint(checkpoint, "float32")
     drafter_config = DrafterConfig(
         drafter_type=kind, target=config.architecture_fields() | {"dtype": "float32"}, vocab_hash="x", mask_token_id=3,
-        num_layers=1 if kind == "eagle3" else 2, block=BLOCK, feature_layers=(1, 2), head=head, markov_rank=8,
+        num_layers=1 if kind == "eagle3" else 2, gamma=GAMMA, feature_layers=(1, 2), head=head, markov_rank=8,
         confidence=kind == "dspark")
     torch.manual_seed(0)
     drafter = build_drafter(drafter_config)
@@ -76,7 +76,7 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
             "anchor_pos": np.array([length_now[s] for s in slots], dtype=np.int64),
             "request_slot": np.array(slots, dtype=np.int64),
             "cache_len": np.array([committed.get(s, 0) for s in range(SLOTS)], dtype=np.int64),
-            "noise": rng.uniform(1e-6, 1 - 1e-6, (2, BLOCK)).astype(np.float32),
+            "noise": rng.uniform(1e-6, 1 - 1e-6, (2, GAMMA)).astype(np.float32),
             "temperature": np.array(temperatures, dtype=np.float32),
         }
         for layer in range(layers):
@@ -112,7 +112,7 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     assert not any(node.op_type == "Gemm" for node in quantized.graph.node)  # every projection is int8
     (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
     products = {branch.name: sum(node.op_type == "MatMulInteger" for node in branch.g.node) for branch in chain.attribute}
-    assert products == {"then_branch": BLOCK, "else_branch": 0}  # one Markov product per sampled step; greedy: candidates
+    assert products == {"then_branch": GAMMA, "else_branch": 0}  # one Markov product per sampled step; greedy: candidates
     onnx.checker.check_model(str(graphs[True]), full_check=True)
     config = checkpoint.config
     rng = np.random.default_rng(0)
@@ -120,14 +120,14 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     feeds = {"context_features": rng.standard_normal((5, 2 * config.hidden_size)).astype(np.float32),
              "context_slot": np.zeros(5, np.int64), "context_pos": np.arange(5), "anchor_ids": np.array([7]),
              "anchor_pos": np.array([5]), "request_slot": np.array([0]), "cache_len": np.zeros(SLOTS, np.int64),
-             "noise": rng.uniform(0, 1, (1, BLOCK)).astype(np.float32), "temperature": np.array([1.0], np.float32)}
+             "noise": rng.uniform(0, 1, (1, GAMMA)).astype(np.float32), "temperature": np.array([1.0], np.float32)}
     feeds |= {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(2)}
     out = {int8: ort.InferenceSession(str(graph)).run(["draft_probs"], feeds) for int8, graph in graphs.items()}
     assert np.abs(out[True][0][0, 0] - out[False][0][0, 0]).max() < 0.02  # the first draft's distribution
     assert np.allclose(out[True][0].sum(-1), 1.0, atol=1e-5)
     greedy = feeds | {"temperature": np.zeros(1, np.float32)}
     tokens, probs = ort.InferenceSession(str(graphs[True])).run(["draft_tokens", "draft_probs"], greedy)
-    assert tokens.shape == (1, BLOCK) and probs.shape == (1, BLOCK, 0)
+    assert tokens.shape == (1, GAMMA) and probs.shape == (1, GAMMA, 0)
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn"])
@@ -150,7 +150,7 @@ def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_
              "context_slot": np.repeat(np.arange(requests), 2), "context_pos": np.tile(np.arange(2), requests),
              "anchor_ids": rng.integers(4, config.vocab_size, requests), "anchor_pos": np.full(requests, 2),
              "request_slot": np.arange(requests), "cache_len": np.zeros(SLOTS, np.int64),
-             "noise": rng.uniform(0, 1, (requests, BLOCK)).astype(np.float32), "temperature": np.zeros(requests, np.float32)}
+             "noise": rng.uniform(0, 1, (requests, GAMMA)).astype(np.float32), "temperature": np.zeros(requests, np.float32)}
     feeds |= {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(2)}
     session = ort.InferenceSession(str(graph))
     greedy, probs = session.run(["draft_tokens", "draft_probs"], feeds)

@@ -32,7 +32,7 @@ def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime")
     target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=64)
     train_tokenizer(TEXT, target, vocab_size=300)
-    drafter = write_drafter(target, root / "drafter", block=3)
+    drafter = write_drafter(target, root / "drafter", gamma=3)
     return build_engine(resolve_target(None, target), root / "engine", drafter, "drafter", cache_slots=4,
                         max_batch_tokens=32, show_progress=False)
 
@@ -158,7 +158,7 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
             weights[name].zero_()
     weights["model.embed_tokens.weight"] *= embedding_scale
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    drafter_dir = write_drafter(target, root / "drafter", block=3)
+    drafter_dir = write_drafter(target, root / "drafter", gamma=3)
     drafter = build_drafter(DrafterConfig.from_dir(drafter_dir))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -290,7 +290,7 @@ def test_eagle3_engine_is_lossless_batched(tmp_path):
     """The EAGLE-3 baseline's step graph runs in the same loop (its entries pair features with next tokens)."""
     target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)
     train_tokenizer(TEXT, target, vocab_size=300)
-    drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, block=3)
+    drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "eagle3", cache_slots=4,
                           max_batch_tokens=32, show_progress=False)
     with Engine.load(folder, threads=1, profile=False) as engine:

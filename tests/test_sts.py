@@ -2,15 +2,15 @@
 
 import numpy as np
 
-from dspark_calibration.sts import DEFAULT_BIASES, calibration_report, fit_sts, sigmoid, survival
+from dspark_calibration.sts import DEFAULT_BIASES, calibration_report, fit_sts, sigmoid, prefix_survival
 
 
-def synthetic_rounds(n=20_000, block=5, true_temperature=2.5, seed=0, true_bias=0.0):
+def synthetic_rounds(n=20_000, gamma=5, true_temperature=2.5, seed=0, true_bias=0.0):
     """An overconfident head: logits z, but position k really survives with σ(z_k / T + b) given 1..k-1 did."""
     rng = np.random.default_rng(seed)
-    logits = rng.normal(1.5, 2.0, size=(n, block))
-    survive = rng.random((n, block)) < sigmoid(logits / true_temperature + true_bias)
-    accepted = np.where(survive.all(1), block, np.argmin(survive, axis=1))
+    logits = rng.normal(1.5, 2.0, size=(n, gamma))
+    survive = rng.random((n, gamma)) < sigmoid(logits / true_temperature + true_bias)
+    accepted = np.where(survive.all(1), gamma, np.argmin(survive, axis=1))
     return logits, accepted
 
 
@@ -43,13 +43,13 @@ def test_temperatures_preserve_ranking_within_a_position():
         assert np.array_equal(np.argsort(logits[:, k], kind="stable"), np.argsort(calibrated[:, k], kind="stable"))
     report = calibration_report(logits, accepted, temperatures, biases)
     assert report["before"]["auc"][0] == report["after"]["auc"][0]  # the first position's ranking is exactly the raw one
-    assert np.all(np.diff(survival(logits, temperatures, biases), axis=1) <= 0)
+    assert np.all(np.diff(prefix_survival(logits, temperatures, biases), axis=1) <= 0)
 
 
 def test_offsets_fix_what_a_temperature_cannot():
     """Acceptance far above what the logits say (like greedy requests against a head trained for T=1): a
     temperature alone leaves a large ECE at the first position; with offsets, STS recovers T and b there."""
-    logits, accepted = synthetic_rounds(n=10_000, block=3, true_temperature=2.0, true_bias=2.0)
+    logits, accepted = synthetic_rounds(n=10_000, gamma=3, true_temperature=2.0, true_bias=2.0)
     logits -= 3.0  # the head sees the same rounds through lower logits
     plain = calibration_report(logits, accepted, *fit_sts(logits, accepted))
     temperatures, biases = fit_sts(logits, accepted, biases=DEFAULT_BIASES)

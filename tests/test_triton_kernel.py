@@ -41,17 +41,17 @@ def ragged_batch(rng, slots, q_heads, kv_heads, dim, capacity, new_per_slot):
             slot.astype(np.int64), pos, cache_len.astype(np.int64))
 
 
-@pytest.mark.parametrize("q_heads, kv_heads, dim, block, splits", [
+@pytest.mark.parametrize("q_heads, kv_heads, dim, bidirectional, splits", [
     (8, 2, 64, False, 1),  # GQA 4:1, causal, one split
     (6, 2, 16, False, 3),  # a group of 3 (not a power of two), split cache
-    (4, 4, 32, True, 2),  # MHA, bidirectional block mode (the drafter)
+    (4, 4, 32, True, 2),  # MHA, bidirectional mode (the drafter)
 ])
-def test_kernel_matches_the_reference(q_heads, kv_heads, dim, block, splits):
+def test_kernel_matches_the_reference(q_heads, kv_heads, dim, bidirectional, splits):
     rng = np.random.default_rng(q_heads * dim + splits)
     arrays = ragged_batch(rng, slots=4, q_heads=q_heads, kv_heads=kv_heads, dim=dim, capacity=80, new_per_slot=[9, 4, 0, 1])
-    expected = reference(*arrays, block=block)
+    expected = reference(*arrays, bidirectional=bidirectional)
     tensors = [torch.from_numpy(a).to(DEVICE) for a in arrays]
-    out = varlen_attention(*tensors, block=block, splits=splits, block_n=16)
+    out = varlen_attention(*tensors, bidirectional=bidirectional, splits=splits, block_n=16)
     np.testing.assert_allclose(out.cpu().numpy(), expected, atol=1e-5)
 
 
@@ -72,7 +72,7 @@ def test_plugin_launcher_writes_the_output_buffer():
     arrays = ragged_batch(rng, slots=2, q_heads=2, kv_heads=1, dim=16, capacity=40, new_per_slot=[2, 3])
     tensors = [torch.from_numpy(a).to(DEVICE) for a in arrays]
     out = torch.zeros_like(tensors[0])
-    launch(tensors, block=0, scale=0.0, out=out)  # scale 0 means "1/sqrt(D)", as in the ONNX node
+    launch(tensors, bidirectional=0, scale=0.0, out=out)  # scale 0 means "1/sqrt(D)", as in the ONNX node
     np.testing.assert_allclose(out.cpu().numpy(), reference(*arrays), atol=1e-5)
 
 

@@ -16,13 +16,13 @@ from dspark_plugins.contract import INPUTS
 HQ, HKV, D, S, LMAX = 6, 2, 16, 4, 24
 
 
-def op_model(block: bool) -> onnx.ModelProto:
+def op_model(bidirectional: bool) -> onnx.ModelProto:
     float_in = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
     int_in = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.INT64, shape)  # noqa: E731
     inputs = [float_in("q", ["T", HQ, D]), float_in("k_new", ["T", HKV, D]), float_in("v_new", ["T", HKV, D]),
               float_in("k_cache", [S, HKV, LMAX, D]), float_in("v_cache", [S, HKV, LMAX, D]),
               int_in("slot", ["T"]), int_in("pos", ["T"]), int_in("cache_len", [S])]
-    graph = helper.make_graph([varlen_attention_node(list(INPUTS), "out", D, block)], "varlen",
+    graph = helper.make_graph([varlen_attention_node(list(INPUTS), "out", D, bidirectional)], "varlen",
                               inputs, [float_in("out", ["T", HQ, D])])
     model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()])
     onnx.checker.check_model(model, full_check=True)
@@ -33,7 +33,7 @@ def op_model(block: bool) -> onnx.ModelProto:
 def sessions():
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return {block: ort.InferenceSession(op_model(block).SerializeToString(), options) for block in (False, True)}
+    return {bidirectional: ort.InferenceSession(op_model(bidirectional).SerializeToString(), options) for bidirectional in (False, True)}
 
 
 def ragged_batch(rng, requests):
@@ -58,7 +58,7 @@ def ragged_batch(rng, requests):
     }
 
 
-def naive(inputs, block):
+def naive(inputs, bidirectional):
     """Per request: keys = cache prefix + the request's new tokens, one dense masked attention."""
     out = np.zeros(inputs["q"].shape, dtype=np.float64)
     for s in np.unique(inputs["slot"]):
@@ -68,7 +68,7 @@ def naive(inputs, block):
             keys = np.concatenate([inputs["k_cache"][s, h // group, :length], inputs["k_new"][rows, h // group]])
             values = np.concatenate([inputs["v_cache"][s, h // group, :length], inputs["v_new"][rows, h // group]])
             scores = inputs["q"][rows, h] @ keys.T / np.sqrt(D)
-            if not block:
+            if not bidirectional:
                 positions = inputs["pos"][rows]
                 scores[:, length:] = np.where(positions[None, :] <= positions[:, None], scores[:, length:], -np.inf)
             weights = np.exp(scores - scores.max(1, keepdims=True))
@@ -85,13 +85,13 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_reference_onnx_and_naive_agree(sessions, batch, block):
+def test_reference_onnx_and_naive_agree(sessions, batch, bidirectional):
     inputs = ragged_batch(np.random.default_rng(len(batch)), BATCHES[batch])
-    reference = varlen_attention(**inputs, block=block)
-    (onnx_out,) = sessions[block].run(None, inputs)
-    assert np.abs(reference - naive(inputs, block)).max() <= 1e-5
+    reference = varlen_attention(**inputs, bidirectional=bidirectional)
+    (onnx_out,) = sessions[bidirectional].run(None, inputs)
+    assert np.abs(reference - naive(inputs, bidirectional)).max() <= 1e-5
     assert np.abs(onnx_out - reference).max() <= 1e-5
 
 
@@ -114,12 +114,12 @@ def test_no_token_sees_another_slot_or_past_cache_len(sessions):
     assert np.abs(changed[~mine] - base[~mine]).max() > 1e-3  # and the others did change
 
 
-def test_causal_mode_hides_later_tokens_block_mode_does_not(sessions):
+def test_causal_mode_hides_later_tokens_bidirectional_mode_does_not(sessions):
     inputs = ragged_batch(np.random.default_rng(3), [(1, 4, 5)])
     later = dict(inputs, v_new=inputs["v_new"].copy())
     later["v_new"][3:] += 10.0
-    for block, sees_later in [(False, False), (True, True)]:
-        (base,) = sessions[block].run(None, inputs)
-        (changed,) = sessions[block].run(None, later)
+    for bidirectional, sees_later in [(False, False), (True, True)]:
+        (base,) = sessions[bidirectional].run(None, inputs)
+        (changed,) = sessions[bidirectional].run(None, later)
         moved = np.abs(changed[:3] - base[:3]).max() > 1e-3
         assert moved == sees_later

@@ -2,7 +2,7 @@
 
 Stages (each skipped when its output exists, so an interrupted build resumes): corpus, tokenizer,
 token streams, training (resumable from its own checkpoint), the Hugging Face checkpoint written into
-the package's `assets/demo/`, and the held-out prompt sets in `assets/prompts/`.
+the package's `assets/demo/`, and the held-out prompt sets in the runtime's `assets/demo-prompts.jsonl`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import click
 from dspark_export.config import Qwen3Config
 from dspark_export.demo.corpus import build_corpus, read_jsonl, DOMAINS
 from dspark_export.presets import demo_dir
+from dspark_runtime.prompts import demo_prompts_path
 
 # Sized by measurement on the 2-core dev box (see README, "The demo target"): fp32 training there runs
 # S 5.3M params at 1.8k tok/s, M 13.5M at 0.87k, L 29M at 0.48k; M verifies 8 tokens for 1.42x one token.
@@ -33,13 +34,6 @@ DEMO_CONFIG = Qwen3Config(
     max_position_embeddings=1024,
     dtype="bfloat16",
 )
-PROMPTS_FILE = "demo.jsonl"
-
-
-def prompts_path() -> Path:
-    return demo_dir().parent / "prompts" / PROMPTS_FILE
-
-
 def write_generation_config(folder: Path) -> None:
     config = {"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
     (folder / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -84,7 +78,7 @@ def main(work: Path, steps: int, threads: int | None, export_only: bool) -> None
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, assets / name)
     tokenizer = ChatTokenizer.from_dir(assets)
-    counts = build_prompts(corpus, prompts_path(), lambda messages: tokenizer.apply_chat_template(messages))
+    counts = build_prompts(corpus, demo_prompts_path(), lambda messages: tokenizer.apply_chat_template(messages))
     click.echo(json.dumps({"assets": str(assets), "prompts": counts}))
 
 

@@ -41,14 +41,14 @@ def held_out_metrics(model: Qwen3Model, stream: np.ndarray, windows: int, seq_le
 @click.option("--samples", type=int, default=2, show_default=True, help="Greedy samples per domain.")
 def main(work: Path, windows: int, samples: int) -> None:
     """Report the bundled demo target's held-out quality."""
-    from dspark_export.demo.build import prompts_path
+    from dspark_runtime.prompts import demo_prompts_path
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
 
     spec = resolve_target("demo")
     model, tokenizer = load_target(spec)
     report: dict = {"parameters": spec.config.num_parameters(), "held_out": {}, "greedy_samples": {}}
-    prompts = [json.loads(line) for line in prompts_path().read_text().splitlines()]
+    prompts = [json.loads(line) for line in demo_prompts_path().read_text().splitlines()]
     for domain in DOMAINS:
         report["held_out"][domain] = held_out_metrics(model, load_stream(work / "tokens", domain, "test"), windows, 512)
         report["greedy_samples"][domain] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from dspark_runtime.errors import CheckpointError
+from dspark_export.errors import CheckpointError
 
 BUNDLED_PREFIX = "demo-"
 

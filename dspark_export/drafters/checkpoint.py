@@ -9,11 +9,11 @@ import torch
 
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.model import Qwen3Model
-from dspark_runtime.errors import CheckpointError
+from dspark_export.errors import CheckpointError
 
 
 def build_drafter(config: DrafterConfig) -> torch.nn.Module:
-    from dspark_export.drafters.block import BlockDrafter
+    from dspark_export.drafters.block_drafter import BlockDrafter
     from dspark_export.drafters.eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(config) if config.drafter_type == "eagle3" else BlockDrafter(config)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark_export.config import Qwen3Config
-from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
+from dspark_export.errors import CheckpointError, ConfigError
+from dspark_runtime.errors import read_json_file
 
 DRAFTER_TYPES = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
@@ -34,7 +35,7 @@ class DrafterConfig:
     vocab_hash: str  # fingerprint of the target tokenizer's vocabulary
     mask_token_id: int
     num_layers: int = 1
-    block: int = 7  # γ: draft tokens per round
+    gamma: int = 7  # γ: draft tokens per round
     feature_layers: tuple[int, ...] = ()
     head: str = "markov"  # sequential head: "markov" | "rnn" | "none"
     markov_rank: int = 64
@@ -47,8 +48,8 @@ class DrafterConfig:
             raise ConfigError(f"unknown drafter type {self.drafter_type!r} (known: {', '.join(DRAFTER_TYPES)})")
         if self.head not in HEADS:
             raise ConfigError(f"unknown sequential head {self.head!r} (known: {', '.join(HEADS)})")
-        if self.block < 1 or self.num_layers < 1:
-            raise ConfigError("block and num_layers must be at least 1")
+        if self.gamma < 1 or self.num_layers < 1:
+            raise ConfigError("gamma and num_layers must be at least 1")
         if self.drafter_type == "eagle3" and self.num_layers != 1:
             raise ConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers 1)")
         depth = self.target["num_hidden_layers"]
@@ -83,7 +84,9 @@ class DrafterConfig:
     @classmethod
     def from_dir(cls, folder: str | Path) -> "DrafterConfig":
         file = Path(folder) / "config.json"
-        raw = read_json_file(file)
+        raw = read_json_file(file, CheckpointError)
+        if "block" in raw:  # drafters trained before γ was named `gamma`
+            raw["gamma"] = raw.pop("block")
         try:
             return cls(**(raw | {"feature_layers": tuple(raw["feature_layers"])}))
         except (TypeError, KeyError) as exc:

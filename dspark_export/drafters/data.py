@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark_runtime.errors import CheckpointError
+from dspark_export.errors import CheckpointError
 
 
 @dataclass

@@ -131,7 +131,7 @@ def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torc
                  noise: torch.Tensor | None):
     """Draft γ tokens after the committed tokens [1, a+1] (the last one is the anchor), given target
     features [1, a, m·H] of positions 0..a-1; the same attention pattern as `unroll` in training."""
-    from dspark_export.drafters.block import Draft, pick
+    from dspark_export.drafters.block_drafter import Draft, pick
 
     length = features.shape[1]
     hidden = drafter.fc(features)
@@ -140,11 +140,11 @@ def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torc
     # step 0 of the last entry sees every step-0 entry
     out = drafter.finish(drafter.attend(q[:, :, -1:], k0, v0, everything, [], []), hidden[:, -1:])
     chain_k, chain_v, tokens, probs = [], [], [], []
-    for step in range(drafter.config.block):
+    for step in range(drafter.config.gamma):
         token, prob = pick(drafter.logits(out)[:, -1], temperature, None if noise is None else noise[:, step])
         tokens.append(token)
         probs.append(prob)
-        if step == drafter.config.block - 1:
+        if step == drafter.config.gamma - 1:
             break
         q, k, v = drafter.project(token[:, None], out, torch.tensor([[length + step]]))
         chain_k.append(k)

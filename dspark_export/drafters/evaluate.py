@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dspark_calibration.metrics import auc, ece
-from dspark_export.drafters.block import block_draft
+from dspark_export.drafters.block_drafter import block_draft
 from dspark_export.drafters.eagle3 import eagle3_draft
 from dspark_export.model import Qwen3Model
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
@@ -45,7 +45,7 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
     draft_fn = draft_fn or (eagle3_draft if config.drafter_type == "eagle3" else block_draft)
     rng = np.random.default_rng(seed)
     noise_gen = torch.Generator().manual_seed(seed)
-    target.setup_caches(1, len(prompt) + max_new + config.block + 1)
+    target.setup_caches(1, len(prompt) + max_new + config.gamma + 1)
     # prefill the prompt and sample the first token from the target alone; it becomes the first anchor
     length = len(prompt)
     out = target(torch.tensor([prompt]), torch.arange(length)[None], config.feature_layers, use_cache=True)
@@ -56,13 +56,13 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
     if first in stop_ids:
         return result
     while len(result.tokens) < max_new:
-        noise = torch.rand(1, config.block, generator=noise_gen).clamp_(1e-12, 1 - 1e-7)
+        noise = torch.rand(1, config.gamma, generator=noise_gen).clamp_(1e-12, 1 - 1e-7)
         draft = draft_fn(drafter, committed, features, temperature, noise)
-        block = torch.cat([committed[:, -1:], draft.tokens], 1)
-        verify = target(block, torch.arange(length, length + config.block + 1)[None], config.feature_layers, use_cache=True)
+        candidates = torch.cat([committed[:, -1:], draft.tokens], 1)
+        verify = target(candidates, torch.arange(length, length + config.gamma + 1)[None], config.feature_layers, use_cache=True)
         accepted, token = verify_drafts(verify.logits[0].float(), draft, temperature, rng)
         new = draft.tokens[0, :accepted].tolist() + [token]
-        result.rounds.append(RoundRecord(accepted, config.block, draft.confidence[0].tolist(),
+        result.rounds.append(RoundRecord(accepted, config.gamma, draft.confidence[0].tolist(),
                                          acceptance_probabilities(verify.logits[0].float(), draft, temperature)))
         step_features = torch.cat([verify.features[layer] for layer in config.feature_layers], -1)
         features = torch.cat([features, step_features[:, : accepted + 1]], 1)
@@ -101,24 +101,24 @@ def verify_token(logits: torch.Tensor, temperature: float, rng: np.random.Genera
     return sample(torch.softmax(logits[0] / temperature, -1).double().numpy(), rng)
 
 
-def summarize(rounds: list[RoundRecord], block: int) -> dict:
+def summarize(rounds: list[RoundRecord], gamma: int) -> dict:
     """τ, per-position conditional acceptance, and calibration of the cumulative confidences."""
     accepted = np.array([r.accepted for r in rounds])
-    reached = np.array([(accepted >= k).sum() for k in range(block)])
-    passed = np.array([(accepted > k).sum() for k in range(block)])
-    conditional = np.divide(passed, reached, out=np.full(block, np.nan), where=reached > 0)
+    reached = np.array([(accepted >= k).sum() for k in range(gamma)])
+    passed = np.array([(accepted > k).sum() for k in range(gamma)])
+    conditional = np.divide(passed, reached, out=np.full(gamma, np.nan), where=reached > 0)
     confidence = np.array([r.confidence for r in rounds])  # [rounds, γ]
     survival = np.cumprod(confidence, 1)  # a_k = Π_{i≤k} c_i
     oracle = np.cumprod(np.array([r.acceptance for r in rounds]), 1)  # the true prefix-survival probability
-    prefix = accepted[:, None] > np.arange(block)[None]  # realised: positions 0..k all accepted
+    prefix = accepted[:, None] > np.arange(gamma)[None]  # realised: positions 0..k all accepted
     return {
         "rounds": len(rounds),
         "tau": float(1 + accepted.mean()) if len(rounds) else float("nan"),
         "first_position_acceptance": float(conditional[0]),
         "per_position_acceptance": [round(float(x), 4) for x in conditional],
-        "ece": [round(ece(survival[:, k], prefix[:, k]), 4) for k in range(block)],
-        "auc": [round(auc(survival[:, k], prefix[:, k]), 4) for k in range(block)],
-        "auc_oracle": [round(auc(oracle[:, k], prefix[:, k]), 4) for k in range(block)],  # the ceiling for "auc"
+        "ece": [round(ece(survival[:, k], prefix[:, k]), 4) for k in range(gamma)],
+        "auc": [round(auc(survival[:, k], prefix[:, k]), 4) for k in range(gamma)],
+        "auc_oracle": [round(auc(oracle[:, k], prefix[:, k]), 4) for k in range(gamma)],  # the ceiling for "auc"
     }
 
 
@@ -133,10 +133,10 @@ def evaluate(target: Qwen3Model, drafter, prompts: list[dict], tokenizer, temper
         by_domain.setdefault(prompt.get("domain", "all"), []).extend(generation.rounds)
         if progress:
             progress()
-    block = drafter.config.block
+    gamma = drafter.config.gamma
     every = [r for rounds in by_domain.values() for r in rounds]
-    result = {"block": block, "temperature": temperature} | summarize(every, block)
-    result["per_domain"] = {domain: summarize(rounds, block) for domain, rounds in by_domain.items()}
+    result = {"gamma": gamma, "temperature": temperature} | summarize(every, gamma)
+    result["per_domain"] = {domain: summarize(rounds, gamma) for domain, rounds in by_domain.items()}
     result["tau_macro"] = float(np.mean([d["tau"] for d in result["per_domain"].values()]))
     return result
 

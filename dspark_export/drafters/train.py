@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dspark_export.drafters.blocks import block_mask, build_blocks, sample_anchors
+from dspark_export.drafters.anchors import block_mask, build_blocks, sample_anchors
 from dspark_export.drafters.data import Sequences
 from dspark_export.drafters.eagle3 import eagle3_loss
 from dspark_export.drafters.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, drafter_loss
@@ -50,11 +50,11 @@ def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, targ
     config = drafter.config
     batch, length = tokens.shape
     anchors = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator)
-    blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.block, config.mask_token_id)
+    blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.gamma, config.mask_token_id)
     context = drafter.fuse(features)
     hidden = drafter.backbone(
         blocks.input_ids.flatten(1), blocks.positions.flatten(1), context,
-        torch.arange(length).expand(batch, length), block_mask(anchors, length, config.block),
+        torch.arange(length).expand(batch, length), block_mask(anchors, length, config.gamma),
     ).view(*blocks.positions.shape, -1)
     logits, confidence = drafter.teacher_forced(hidden, blocks.previous)
     slot_positions = blocks.positions.clamp(max=length - 1).flatten(1)  # slot j's label is predicted by the target at a+j
@@ -68,7 +68,7 @@ def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generat
     if drafter.config.drafter_type == "eagle3":
         # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
         entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
-        step_logits = drafter.unroll(tokens, features, drafter.config.block, entries)
+        step_logits = drafter.unroll(tokens, features, drafter.config.gamma, entries)
         return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries)
     return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
 
@@ -114,7 +114,7 @@ def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: 
     return drafter.eval()
 
 
-def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: int, block: int,
+def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: int, gamma: int,
                        markov_rank: int | None, feature_layers: tuple[int, ...] | None):
     """A drafter config for a target: DFlash and EAGLE-3 have no sequential or confidence head."""
     from dspark_export.drafters.config import DrafterConfig, default_feature_layers, default_markov_rank
@@ -130,7 +130,7 @@ def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: in
         vocab_hash=tokenizer.vocab_hash(),
         mask_token_id=int(mask),
         num_layers=layers,
-        block=block,
+        gamma=gamma,
         feature_layers=tuple(feature_layers or default_feature_layers(target.num_hidden_layers, layers)),
         head=head if is_dspark else "none",
         markov_rank=markov_rank or default_markov_rank(target.vocab_size),

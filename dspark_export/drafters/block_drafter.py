@@ -169,9 +169,9 @@ def block_draft(drafter: BlockDrafter, committed: torch.Tensor, features: torch.
                 noise: torch.Tensor | None) -> Draft:
     """Draft γ tokens after the committed tokens [1, a+1] (the last is the anchor at position a), given the
     target features [1, a, m·H] of positions 0..a-1."""
-    length, block = features.shape[1], drafter.config.block
-    ids = torch.full((1, block), drafter.config.mask_token_id)
+    length, gamma = features.shape[1], drafter.config.gamma
+    ids = torch.full((1, gamma), drafter.config.mask_token_id)
     ids[0, 0] = committed[0, -1]
-    hidden = drafter.backbone(ids, torch.arange(length, length + block)[None], drafter.fuse(features),
-                              torch.arange(length)[None], torch.ones(1, 1, block, length + block, dtype=torch.bool))
+    hidden = drafter.backbone(ids, torch.arange(length, length + gamma)[None], drafter.fuse(features),
+                              torch.arange(length)[None], torch.ones(1, 1, gamma, length + gamma, dtype=torch.bool))
     return drafter.draft(hidden, committed[:, -1], temperature, noise)

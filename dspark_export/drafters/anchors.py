@@ -40,10 +40,10 @@ def sample_anchors(lengths: torch.Tensor, supervised_from: torch.Tensor, count: 
 
 
 def build_blocks(tokens: torch.Tensor, lengths: torch.Tensor, supervised_from: torch.Tensor, anchors: torch.Tensor,
-                 block: int, mask_token_id: int) -> AnchorBlocks:
+                 gamma: int, mask_token_id: int) -> AnchorBlocks:
     """tokens [B, T] (padded), anchors [B, n] -> the block tensors of `AnchorBlocks`."""
     batch, length = tokens.shape
-    offsets = torch.arange(block)
+    offsets = torch.arange(gamma)
     positions = anchors[..., None] + offsets  # [B, n, γ]
     label_positions = positions + 1
     gather = lambda index: torch.gather(tokens, 1, index.clamp(max=length - 1).flatten(1)).view_as(index)  # noqa: E731
@@ -60,11 +60,11 @@ def build_blocks(tokens: torch.Tensor, lengths: torch.Tensor, supervised_from: t
     )
 
 
-def block_mask(anchors: torch.Tensor, context_length: int, block: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, context_length: int, gamma: int) -> torch.Tensor:
     """[B, 1, n·γ, S + n·γ] attention mask: context keys before the query's anchor, then its own block."""
     batch, count = anchors.shape
-    query_anchor = anchors.repeat_interleave(block, dim=1)  # [B, n·γ]
+    query_anchor = anchors.repeat_interleave(gamma, dim=1)  # [B, n·γ]
     context = torch.arange(context_length)[None, None, :] < query_anchor[:, :, None]
-    block_id = torch.arange(count).repeat_interleave(block)
+    block_id = torch.arange(count).repeat_interleave(gamma)
     own_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)
     return torch.cat([context, own_block], dim=-1)[:, None]
