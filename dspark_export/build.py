@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 from dspark_export.checkpoint import Checkpoint, expected_shapes
 from dspark_export.config import DTYPES
-from dspark_export.onnx_drafter import build_drafter_onnx
-from dspark_export.onnx_target import GRAPH_FORMAT, build_target_onnx
+from dspark_export.graphs.drafter import build_drafter_onnx
+from dspark_export.graphs.target import build_target_onnx
 from dspark_export.presets import TargetSpec
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
 from dspark_runtime.errors import DSparkError
@@ -48,6 +48,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     backend = resolve_backend(backend)
     if dtype not in DTYPES:
         raise DSparkError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if dtype == "bfloat16" and backend == "ort":
+        raise DSparkError("--dtype bfloat16 needs --backend trt: ONNX Runtime's CPU provider has no bfloat16 kernels "
+                          "(use float16 or float32)")
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
@@ -70,7 +73,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, progress=bar.update)
         if drafter_dir is not None:
-            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, cpu=backend == "ort")
+            ort = backend == "ort"  # ONNX Runtime: int8 drafter projections, all-greedy calls skip distributions
+            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, "int8" if ort else "float", ort)
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)
@@ -96,9 +100,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 
 
 def source_digests(target_folder: Path, drafter_dir: Path | None) -> dict[str, str]:
-    """What an engine was built from, so that a cached engine of changed weights, or one an older
-    exporter wrote, can be told apart."""
-    sources = {"target": weights_digest(target_folder), "graph_format": str(GRAPH_FORMAT)}
+    """What an engine was built from, so that a cached engine of changed weights can be told apart (one an
+    older exporter wrote has another `format_version`)."""
+    sources = {"target": weights_digest(target_folder)}
     if drafter_dir is not None:
         sources["drafter"] = weights_digest(drafter_dir)
     return sources

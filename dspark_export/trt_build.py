@@ -3,25 +3,24 @@
 The ONNX graphs already carry their precision (TensorRT 11 networks are strongly typed), and their
 attention call nodes carry `plugin_namespace`/`plugin_version`, so the parser takes the registered
 `DSparkVarlenAttention` plugin instead of inlining the function body. One optimization profile per
-graph comes from the manifest: the symbolic token and request dimensions range over what the runtime
-can send, while the cache dimensions are fixed. Status: the profiles are tested on the real graphs;
-the engine build itself needs TensorRT and a GPU and has not been run on any machine here.
+graph comes from the graph I/O contract resolved for the manifest: the dimensions set per call range over
+what the runtime can send, the cache dimensions are fixed. Status: the profiles are tested against the
+real graphs; the engine build itself needs TensorRT and a GPU and has not been run on any machine here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import onnx
-
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
 from dspark_runtime.errors import DSparkError, MissingDependencyError
+from dspark_runtime.graph_io import GraphIO
 
 Shape = tuple[int, ...]
 
 
 def dimension_ranges(manifest: Manifest) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of every symbolic dimension the graphs use. `opt` is one verification step of
+    """(min, opt, max) of every dimension the contract sets per call. `opt` is one verification step of
     every slot (γ + 1 tokens each), the load the engine is tuned for."""
     tokens, slots = manifest.max_batch_tokens, manifest.cache_slots
     step = min(tokens, slots * (manifest.gamma + 1))
@@ -30,30 +29,17 @@ def dimension_ranges(manifest: Manifest) -> dict[str, tuple[int, int, int]]:
         "N": (1, step, tokens),  # target: rows that want logits
         "C": (1, step, tokens),  # drafter: context tokens whose features enter the drafter cache
         "R": (1, slots, slots),  # drafter: requests drafted in one call
-        "S": (slots, slots, slots),
-        "Lmax": (manifest.max_context,) * 3,
     }
 
 
-def graph_inputs(graph_file: str | Path) -> list[tuple[str, list[int | str]]]:
-    """Each input's name and dimensions (ints or symbols), read without loading the weights."""
-    model = onnx.load(str(graph_file), load_external_data=False)
-    inputs = []
-    for value in model.graph.input:
-        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value.type.tensor_type.shape.dim]
-        inputs.append((value.name, dims))
-    return inputs
-
-
-def profile_shapes(inputs: list[tuple[str, list[int | str]]], ranges: dict[str, tuple[int, int, int]]
-                   ) -> dict[str, tuple[Shape, Shape, Shape]]:
-    """Input name -> (min, opt, max) shapes."""
+def profile_shapes(io: GraphIO, ranges: dict[str, tuple[int, int, int]]) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """Input name -> (min, opt, max) shapes, for a contract resolved for an engine (cache sizes fixed)."""
     shapes = {}
-    for name, dims in inputs:
-        unknown = [d for d in dims if isinstance(d, str) and d not in ranges]
+    for tensor in io.inputs:
+        unknown = [d for d in tensor.shape if isinstance(d, str) and d not in ranges]
         if unknown:
-            raise DSparkError(f"input {name!r} has dimension {unknown[0]!r}, which the TensorRT profile does not know")
-        shapes[name] = tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in dims) for i in range(3))
+            raise DSparkError(f"input {tensor.name!r} has dimension {unknown[0]!r}, which the TensorRT profile does not know")
+        shapes[tensor.name] = tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in tensor.shape) for i in range(3))
     return shapes
 
 
@@ -80,12 +66,12 @@ def build_trt_engines(folder: Path, manifest: Manifest) -> list[Path]:
         raise MissingDependencyError(str(exc)) from None
     ranges = dimension_ranges(manifest)
     engines = []
-    for name in (TARGET_GRAPH, DRAFTER_GRAPH):
-        graph = folder / name
-        if not graph.is_file():
+    for name, io in ((TARGET_GRAPH, manifest.target_io()), (DRAFTER_GRAPH, manifest.drafter_io())):
+        if io is None:
             continue
+        graph = folder / name
         profile = Profile()
-        for input_name, (low, opt, high) in profile_shapes(graph_inputs(graph), ranges).items():
+        for input_name, (low, opt, high) in profile_shapes(io, ranges).items():
             profile.add(input_name, low, opt, high)
         network = NetworkFromOnnxPath(str(graph), strongly_typed=True)
         engine = EngineFromNetwork(network, config=CreateConfig(profiles=[profile]))

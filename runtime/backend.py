@@ -1,4 +1,4 @@
-"""ONNX Runtime sessions for the engine's graphs (TensorRT engines are not wired yet).
+"""ONNX Runtime sessions for the engine's graphs (the runtime has no TensorRT backend yet).
 
 On 2 cores, two sessions with default settings ran at half the speed of one because their spinning
 intra-op pools fought (research/feasibility.md §5): a pool keeps spinning for a while after its run returns,
@@ -16,7 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, Manifest
 from dspark_runtime.errors import DSparkError, MissingDependencyError
+from dspark_runtime.graph_io import GraphIO
+
+ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
 
 
 def available_providers() -> list[str]:
@@ -26,9 +30,10 @@ def available_providers() -> list[str]:
 
 
 class OrtGraph:
-    """One ONNX graph in an InferenceSession; `run(feeds)` returns every output by name."""
+    """One ONNX graph in an InferenceSession, checked against its contract; `run(feeds)` takes exactly the
+    graph's inputs and returns every output by name."""
 
-    def __init__(self, path: Path, threads: int, providers: list[str] | None = None):
+    def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -41,22 +46,49 @@ class OrtGraph:
             self.session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
             raise DSparkError(f"onnxruntime cannot load {path.name}: {exc}") from None
-        self.inputs = {i.name for i in self.session.get_inputs()}
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        check_contract(self.session, io, path)
+        self.io = io
+        self.inputs = set(io.input_names)
+        self.output_names = list(io.output_names)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        used = {name: value for name, value in feeds.items() if name in self.inputs}
-        return dict(zip(self.output_names, self.session.run(self.output_names, used)))
+        if feeds.keys() != self.inputs:
+            missing, unknown = sorted(self.inputs - feeds.keys()), sorted(feeds.keys() - self.inputs)
+            raise DSparkError(f"the {self.io.graph} graph was fed wrong inputs (missing {missing}, unknown {unknown})")
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
 
 
-def open_graphs(folder: Path, backend: str, has_drafter: bool, threads: int | None = None,
+def check_contract(session, io: GraphIO, path: Path) -> None:
+    """Refuse a graph whose inputs or outputs differ from the contract in name, type or a fixed dimension."""
+    declared = {a.name: a for a in list(session.get_inputs()) + list(session.get_outputs())}
+    for tensor in io.inputs + io.outputs:
+        arg = declared.pop(tensor.name, None)
+        problem = None
+        if arg is None:
+            problem = f"has no {tensor.name!r}"
+        elif arg.type != ORT_TYPES[tensor.dtype]:
+            problem = f"has {tensor.name!r} as {arg.type}, the contract says {tensor.dtype}"
+        elif len(arg.shape) != len(tensor.shape) or any(
+                isinstance(want, int) and isinstance(got, int) and want != got for want, got in zip(tensor.shape, arg.shape)):
+            problem = f"has {tensor.name!r} of shape {arg.shape}, the contract says {list(tensor.shape)}"
+        if problem:
+            break
+    else:
+        problem = f"has {sorted(declared)[0]!r}, which the contract does not know" if declared else None
+    if problem:
+        raise EngineError(f"{path.name} {problem}; rebuild the engine with `dspark-export build --force`")
+
+
+def open_graphs(folder: Path, manifest: Manifest, backend: str, threads: int | None = None,
                 providers: list[str] | None = None) -> tuple[OrtGraph, OrtGraph | None]:
     """(target, drafter) runners for an engine directory."""
     if backend == "trt":
-        raise MissingDependencyError("the TensorRT runtime backend is not available yet; use backend='ort'")
+        raise MissingDependencyError("the runtime cannot run TensorRT engines yet; load this engine with backend='ort' "
+                                     "(ONNX Runtime runs its ONNX graphs)")
     if providers and "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
         raise MissingDependencyError("CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'")
     threads = threads or os.cpu_count() or 1
-    target = OrtGraph(folder / "target.onnx", threads, providers)
-    drafter = OrtGraph(folder / "drafter.onnx", threads, providers) if has_drafter else None
+    target = OrtGraph(folder / TARGET_GRAPH, manifest.target_io(), threads, providers)
+    drafter_io = manifest.drafter_io()
+    drafter = OrtGraph(folder / DRAFTER_GRAPH, drafter_io, threads, providers) if drafter_io else None
     return target, drafter

@@ -30,7 +30,7 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
             gate.release()
 
     threads = []
-    before = dict(engine.core.seconds)
+    before = engine.step_seconds()
     started = time.perf_counter()
     for index in range(len(rows)):
         gate.acquire()
@@ -40,7 +40,7 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    spent = {part: seconds - before[part] for part, seconds in engine.core.seconds.items()}
+    spent = {part: seconds - before[part] for part, seconds in engine.step_seconds().items()}
     share = {part: spent[part] / spent["step"] if spent["step"] else 0.0 for part in ("schedule", "target", "drafter")}
     generated = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats["steps"] for r in results)

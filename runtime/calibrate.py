@@ -13,7 +13,7 @@ from dspark_calibration.plots import reliability_png
 from dspark_calibration.sts import DEFAULT_BIASES, calibration_report, fit_sts
 from dspark_runtime.bench import prompt_of
 from dspark_runtime.engine import Engine
-from dspark_runtime.engine_dir import CALIBRATION, read_calibration, sts_by_temperature
+from dspark_runtime.engine_dir import CALIBRATION, read_calibration
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.sampling import SamplingParams
 
@@ -27,11 +27,10 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     per sampling temperature and requests use the fit nearest their own. `bias` also fits an offset per
     position (see `dspark_calibration.sts`).
     """
-    gamma = engine.core.gamma
+    gamma = engine.gamma
     if not gamma or engine.manifest.drafter.get("confidence") is not True:
         raise DSparkError("calibration needs an engine whose drafter has a confidence head (a DSpark drafter)")
-    engine.core.round_log = []
-    try:  # all prompts at once: the engine batches them over its cache slots
+    with engine.record_rounds() as log:  # all prompts at once: the engine batches them over its cache slots
         requests = [engine.submit(prompt_of(row), replace(params, seed=index if params.seed is None else params.seed + index),
                                   spec=f"fixed:{gamma}", truncate=True) for index, row in enumerate(rows)]
         held_out_ids = {request.sequence.request_id for request in requests[1::2]}
@@ -39,9 +38,6 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
             request.result()
             if progress:
                 progress()
-        log = engine.core.round_log
-    finally:
-        engine.core.round_log = None
     test = np.array([request_id in held_out_ids for request_id, _, _ in log], dtype=bool)
     if min(test.sum(), (~test).sum()) < 50:
         raise DSparkError(f"only {len(log)} full verification rounds were collected; give more prompts or tokens")
@@ -57,5 +53,5 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     if plot:
         report["plot"] = str(engine.folder / "calibration.png") if reliability_png(
             logits, accepted, temperatures, biases, engine.folder / "calibration.png") else None
-    engine.core.sts = sts_by_temperature(by_temperature)
+    engine.set_calibration(by_temperature)
     return report

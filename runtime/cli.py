@@ -195,7 +195,7 @@ def profile(engine_dir, context, repeats, threads) -> None:
     from dspark_runtime.profiling import target_sizes
 
     with Engine.load(engine_dir, threads=threads, profile=False) as engine:
-        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.core.gamma else 0)
+        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, repeats, lambda graph, n: bar.update())
     target = curve["target_seconds"]

@@ -16,6 +16,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from dspark_calibration.sts import prefix_survival
+from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.kv_cache import KVCache, SlotPool
 from dspark_runtime.sampling import target_rows
@@ -24,6 +25,7 @@ from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
 Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+TextSink = Callable[[Sequence, list[int]], bool]  # visible tokens -> whether a stop string appeared
 Result = TypeVar("Result")
 
 
@@ -42,21 +44,23 @@ class _Row:
 class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
-    def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, emit: Callable[[Sequence, list[int]], None],
+    def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, text: TextSink,
                  curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
-        target = manifest.target
         self.manifest = manifest
-        self.run_target, self.run_drafter, self.emit = run_target, run_drafter, emit
-        kv_heads, head_dim = target["num_key_value_heads"], target["head_dim"]
-        self.target_cache = KVCache(target["num_hidden_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
+        self.run_target, self.run_drafter, self.text = run_target, run_drafter, text
+        self.target_io = manifest.target_io()
+        self.target_cache = KVCache(self.target_io)
         self.gamma = manifest.gamma if run_drafter else 0
         if self.gamma:
-            self.drafter_cache = KVCache(manifest.drafter["num_layers"], manifest.cache_slots, kv_heads, manifest.max_context, head_dim)
+            self.drafter_io = manifest.drafter_io()
+            self.drafter_cache = KVCache(self.drafter_io)
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
+        self.changed: list[Sequence] = []  # requests with new tokens or a finish in the current step
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
+        self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
         self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
         self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
 
@@ -81,7 +85,7 @@ class EngineCore:
         while self.waiting and self.slots.free:
             sequence = self.waiting.popleft()
             if sequence.cancelled:
-                self._finish(sequence, "cancelled")
+                self.finish(sequence, "cancelled")
                 continue
             sequence.slot = self.slots.acquire()
             self.active.append(sequence)
@@ -91,20 +95,23 @@ class EngineCore:
         return bool(self.waiting or self.active)
 
     # ---- one step -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> list[Sequence]:
+        """One step for every active request; returns the requests that got tokens or finished."""
+        self.changed = []
         self._timed("step", self._step)
+        return self.changed
 
     def _step(self) -> None:
         self._admit()
         for sequence in [s for s in self.active if s.cancelled]:
-            self._finish(sequence, "cancelled")
+            self.finish(sequence, "cancelled")
             self.release(sequence)
         if not self.active:
             return
         lengths = self._timed("schedule", self._schedule, [s for s in self.active if s.decoding])
-        rows, feeds = self._target_batch(lengths)
-        outputs = self._timed("target", self.run_target, feeds | self.target_cache.feeds())
-        self.target_cache.write(feeds["slot"], feeds["pos"], outputs)
+        rows, batch = self._target_batch(lengths)
+        outputs = self._timed("target", self.run_target, batch.feeds(self.target_io) | self.target_cache.feeds())
+        self.target_cache.write(batch.slot, batch.pos, outputs)
         for row in rows:
             self._advance(row, outputs)
         self._draft(self._gated([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None]))
@@ -147,7 +154,7 @@ class EngineCore:
         """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting
         would not pay (their drafts are dropped, so the next step verifies nothing and runs no drafter)."""
         scheduled = [s for s in sequences if s.spec.kind in ("sync", "async")]
-        if not scheduled or len(scheduled) < len(sequences):
+        if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences  # a fixed:K request pays for the drafter call anyway
         known = [s.survival for s in scheduled if s.survival is not None]
         unknown = np.mean(known, axis=0) if known else np.ones(self.gamma)  # new requests: like the others
@@ -158,7 +165,7 @@ class EngineCore:
             s.drafts = s.draft_probs = s.confidence_logits = None
         return []
 
-    def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], dict[str, np.ndarray]]:
+    def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], TargetBatch]:
         ids, slots, positions, logit_index, rows = [], [], [], [], []
         budget = self.manifest.max_batch_tokens
         decoding = [s for s in self.active if s.decoding]
@@ -186,14 +193,9 @@ class EngineCore:
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
         for s in self.active:
             cache_len[s.slot] = s.target_len
-        feeds = {
-            "input_ids": np.asarray(ids, dtype=np.int64),
-            "pos": np.asarray(positions, dtype=np.int64),
-            "slot": np.asarray(slots, dtype=np.int64),
-            "cache_len": cache_len,
-            "logit_index": np.asarray(logit_index, dtype=np.int64),
-        }
-        return rows, feeds
+        batch = TargetBatch(np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                            np.asarray(slots, dtype=np.int64), cache_len, np.asarray(logit_index, dtype=np.int64))
+        return rows, batch
 
     def _advance(self, row: _Row, outputs: dict[str, np.ndarray]) -> None:
         s = row.sequence
@@ -207,7 +209,7 @@ class EngineCore:
             if row.logit_count:
                 processed = target_rows(logits, s.penalty_history, np.zeros(0, np.int64), s.params)
                 token = int(np.argmax(processed[0])) if s.params.greedy else sample(processed[0], s.rng)
-                self._emit(s, [token])
+                self._commit(s, [token])
             return
         drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
         processed = target_rows(logits, s.penalty_history, drafts, s.params)
@@ -226,39 +228,46 @@ class EngineCore:
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
         if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
-        self._emit(s, drafts[:accepted].tolist() + [token])
+        self._commit(s, drafts[:accepted].tolist() + [token])
 
-    def _emit(self, s: Sequence, tokens: list[int]) -> None:
-        """Hand tokens to the output side, which may finish the request (stop, length)."""
+    def _commit(self, s: Sequence, tokens: list[int]) -> None:
+        """Append a step's tokens to the request and decide whether it finishes: an end or stop token, its token
+        budget, a full context, or a stop string in the text (which the text sink reports)."""
         s.stats.steps += 1
+        if s.stats.first_token is None:
+            s.stats.first_token = time.perf_counter()
         s.anchor = tokens[-1]
-        if s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit: the context is full
-            s.finish_reason = "length"
-        self.emit(s, tokens)
+        visible, reason = [], None
+        for token in tokens:
+            s.generated.append(token)
+            if token in s.stop_ids:
+                reason = "stop"
+                break
+            visible.append(token)
+            if len(s.generated) >= s.params.max_tokens:
+                reason = "length"
+                break
+        if reason is None and s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit
+            reason = "length"
+        if self.text(s, visible) and reason is None:
+            reason = "stop"
+        self.changed.append(s)
+        if reason:
+            self.finish(s, reason)
 
     def _draft(self, sequences: list[Sequence]) -> None:
         if not sequences or not self.gamma:
             return
-        context = [np.concatenate(s.pending_features) for s in sequences]
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
         for s in self.active:
             cache_len[s.slot] = s.drafter_len
-        feeds = {
-            "context_features": np.concatenate(context).astype(np.float32),
-            # EAGLE-3 entries pair position t's features with token t + 1; its draft starts from each newest entry
-            "context_ids": np.asarray([t for s in sequences for t in s.tokens_at(s.drafter_len + 1, s.target_len + 1)], dtype=np.int64),
-            "context_last": np.cumsum([len(c) for c in context]) - 1,
-            "context_slot": np.concatenate([[s.slot] * len(c) for s, c in zip(sequences, context)]).astype(np.int64),
-            "context_pos": np.concatenate([np.arange(s.drafter_len, s.drafter_len + len(c)) for s, c in zip(sequences, context)]).astype(np.int64),
-            "anchor_ids": np.asarray([s.anchor for s in sequences], dtype=np.int64),
-            "anchor_pos": np.asarray([s.target_len for s in sequences], dtype=np.int64),
-            "request_slot": np.asarray([s.slot for s in sequences], dtype=np.int64),
-            "cache_len": cache_len,
-            "noise": np.stack([s.rng.uniform(1e-12, 1.0, self.gamma) for s in sequences]).astype(np.float32).clip(1e-12, 1 - 1e-7),
-            "temperature": np.asarray([s.params.temperature for s in sequences], dtype=np.float32),
-        }
-        outputs = self._timed("drafter", self.run_drafter, feeds | self.drafter_cache.feeds())
-        self.drafter_cache.write(feeds["context_slot"], feeds["context_pos"], outputs)
+        batch = DraftBatch([DraftRequest(
+            slot=s.slot, anchor=s.anchor, anchor_pos=s.target_len, context_start=s.drafter_len,
+            features=np.concatenate(s.pending_features), next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
+            temperature=s.params.temperature, noise=s.rng.uniform(1e-12, 1.0, self.gamma).clip(1e-12, 1 - 1e-7),
+        ) for s in sequences], cache_len)
+        outputs = self._timed("drafter", self.run_drafter, batch.feeds(self.drafter_io) | self.drafter_cache.feeds())
+        self.drafter_cache.write(batch.context_slot, batch.context_pos, outputs)
         for index, s in enumerate(sequences):
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
@@ -268,9 +277,13 @@ class EngineCore:
             s.pending_features = []
 
     # ---- finishing ------------------------------------------------------------------------------
-    def _finish(self, sequence: Sequence, reason: str) -> None:
-        sequence.finish_reason = sequence.finish_reason or reason
-        self.emit(sequence, [])
+    def finish(self, sequence: Sequence, reason: str) -> None:
+        """The one place a request's finish reason is set (the first reason stands)."""
+        if sequence.finish_reason is None:
+            sequence.finish_reason = reason
+            sequence.stats.finished = time.perf_counter()
+        if sequence not in self.changed:
+            self.changed.append(sequence)
 
     def release(self, sequence: Sequence) -> None:
         self.active.remove(sequence)

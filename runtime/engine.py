@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -65,7 +66,7 @@ class Request:
         for _ in self:
             pass
         s = self.sequence
-        return Completion(self.output.text, list(self.output.visible), s.finish_reason, len(s.prompt),
+        return Completion(self.output.sent_text, list(self.output.visible), s.finish_reason, len(s.prompt),
                           s.stats.summary(len(s.generated)))
 
 
@@ -75,7 +76,7 @@ class Engine:
     def __init__(self, folder: Path, manifest, tokenizer: ChatTokenizer, target, drafter):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
         curve, temperatures = _load_curve(folder), _load_calibration(folder)
-        self.core = EngineCore(manifest, target.run, drafter.run if drafter else None, self._on_tokens, curve, temperatures)
+        self.core = EngineCore(manifest, target.run, drafter.run if drafter else None, self._text, curve, temperatures)
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
@@ -88,23 +89,65 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, backend: str = "auto", threads: int | None = None,
              providers: list[str] | None = None, profile: bool = True) -> "Engine":
-        """Load an engine directory (None: the bundled demo, built into the user cache on first use).
+        """Load an engine directory (None: the bundled demo, built into the user cache on first use, which a
+        line on stderr announces). `backend` "auto" runs what the manifest was built for.
 
-        An engine with a drafter but no hardware_curve.json is profiled first (once; `profile=False` skips it,
-        and then `sync`/`async` are unavailable).
+        An engine with a drafter but no hardware_curve.json is profiled first, once, announced by a line on
+        stderr (`profile=False` skips it, and then `sync`/`async` are unavailable).
         """
         folder = Path(path) if path is not None else _demo_engine()
         manifest = read_manifest(folder)
         tokenizer = ChatTokenizer.from_dir(folder)
-        target, drafter = open_graphs(folder, "ort" if backend == "auto" else backend, manifest.drafter is not None,
-                                      threads, providers)
+        target, drafter = open_graphs(folder, manifest, manifest.backend if backend == "auto" else backend, threads,
+                                      providers)
         engine = cls(folder, manifest, tokenizer, target, drafter)
-        if profile and drafter is not None and engine.core.curve is None:
-            import sys
-
+        if profile and drafter is not None and not engine.has_speed_curve:
             print(f"profiling {folder.name} once (hardware_curve.json)...", file=sys.stderr)
             engine.profile()
         return engine
+
+    # ---- what tools read and set ----------------------------------------------------------------
+    @property
+    def gamma(self) -> int:
+        """γ: draft tokens per round (0 for an engine without a drafter)."""
+        return self.core.gamma
+
+    @property
+    def has_speed_curve(self) -> bool:
+        """Whether the engine is profiled, which `sync` and `async` need."""
+        return self.core.curve is not None
+
+    def step_seconds(self) -> dict[str, float]:
+        """Seconds spent so far in steps, and in their parts: "schedule", "target", "drafter"."""
+        return dict(self.core.seconds)
+
+    def status(self) -> dict[str, int]:
+        """Requests running and queued, and cache slots free (all of them when idle)."""
+        with self._lock:
+            return {"active": len(self.core.active), "waiting": len(self.core.waiting) + len(self._inbox),
+                    "free_slots": len(self.core.slots.free), "slots": self.core.slots.total}
+
+    @contextmanager
+    def record_rounds(self) -> Iterator[list[tuple[int, np.ndarray, int]]]:
+        """Collect (request id, confidence logits, drafts accepted) of every full-length verification round."""
+        self.core.round_log = rounds = []
+        try:
+            yield rounds
+        finally:
+            self.core.round_log = None
+
+    @property
+    def calibration(self) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """The STS fits in use: (temperatures, offsets) per draft position, by the sampling temperature fitted at."""
+        return dict(self.core.sts or {})
+
+    def set_calibration(self, reports: dict[float, dict]) -> None:
+        """Use these STS fits (calibration reports by sampling temperature) from the next draft on."""
+        self.core.sts = sts_by_temperature(reports) or None
+
+    def set_draft_gate(self, enabled: bool) -> None:
+        """`sync`/`async` skip drafting when it would not pay (the default); False drafts every step, as in the paper."""
+        self.core.draft_gate = enabled
 
     def profile(self, context: int = 256, repeats: int = 7, progress=None) -> dict:
         """Measure the speed curve, write hardware_curve.json and use it (call while the engine is idle)."""
@@ -119,10 +162,10 @@ class Engine:
                truncate: bool = False) -> Request:
         """Queue a request; it starts as soon as a cache slot is free."""
         params = params or SamplingParams()
-        mode = SpecMode.parse(spec, self.core.gamma, scheduled=self.core.curve is not None)
-        if mode.drafting and not self.core.gamma:
+        mode = SpecMode.parse(spec, self.gamma, scheduled=self.has_speed_curve)
+        if mode.drafting and not self.gamma:
             raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
-        if mode.kind in ("sync", "async") and self.core.curve is None:
+        if mode.kind in ("sync", "async") and not self.has_speed_curve:
             raise InvalidRequestError(f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first")
         ids = self._encode(prompt)
         limit = self.manifest.max_context - 1
@@ -134,8 +177,10 @@ class Engine:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
-        sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed))
-        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), self.manifest_eos())
+        ends = set() if params.ignore_eos else set(self.manifest.eos_token_ids)
+        sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed),
+                            frozenset(ends | set(params.stop_token_ids)))
+        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop)
         request = Request(self, sequence, output)
         with self._lock:
             if self._closed:
@@ -169,9 +214,6 @@ class Engine:
             return {"temperature": 0.0}
         return {key: config[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in config}
 
-    def manifest_eos(self) -> tuple[int, ...]:
-        return tuple(self.manifest.eos_token_ids)
-
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -200,32 +242,39 @@ class Engine:
                     self.core.add(sequence)
                 self._inbox.clear()
             try:
-                self.core.step()
+                changed = self.core.step()
             except Exception as exc:  # an engine fault: fail the requests in flight, keep serving
-                self._fail_all(exc)
+                changed = self._fail_all(exc)
+            for sequence in changed:
+                self._publish(sequence)
 
-    def _fail_all(self, exc: Exception) -> None:
-        error = DSparkError(f"engine step failed: {exc}")
-        for sequence in list(self.core.active) + list(self.core.waiting):
-            sequence.finish_reason = "error"
-            with self._lock:
-                request = self._requests.pop(sequence.request_id, None)
-            if request:
-                request.events.put(error)
+    def _fail_all(self, exc: Exception) -> list[Sequence]:
+        failed = list(self.core.active) + list(self.core.waiting)
+        for sequence in failed:
+            sequence.error = DSparkError(f"engine step failed: {exc}")
+            self.core.finish(sequence, "error")
         for sequence in list(self.core.active):
             self.core.release(sequence)
         self.core.waiting.clear()
+        return failed
 
-    def _on_tokens(self, sequence: Sequence, tokens: list[int]) -> None:
+    def _text(self, sequence: Sequence, tokens: list[int]) -> bool:
+        """The step loop's text sink: decode the request's new visible tokens; True on a stop string."""
+        request = self._requests.get(sequence.request_id)
+        return request is not None and request.output.add(tokens)
+
+    def _publish(self, sequence: Sequence) -> None:
+        """Hand a request the text it has not seen yet, and its end when it finished."""
         request = self._requests.get(sequence.request_id)
         if request is None:
             return
-        delta = request.output.accept(sequence, tokens)
         if sequence.finish_reason is not None:
-            sequence.stats.finished = time.perf_counter()
             with self._lock:
                 self._requests.pop(sequence.request_id, None)
-            delta = delta or Delta("", [], sequence.finish_reason)
+        if sequence.error is not None:
+            request.events.put(sequence.error)
+            return
+        delta = request.output.take(sequence.finish_reason)
         if delta is not None:
             request.events.put(delta)
 
@@ -274,6 +323,7 @@ def _demo_engine() -> Path:
         current = read_manifest(folder).sources == source_digests(demo_dir(), drafter_dir)
     except EngineError:
         current = False
-    if not current:  # never built, damaged, or built from weights an upgrade has since replaced
-        build_engine(resolve_target("demo"), folder, drafter_dir, drafter, force=True)
+    if not current:  # never built, damaged, or built from weights or by an exporter an upgrade has since replaced
+        print(f"building the demo engine into {folder} (first use; seconds)...", file=sys.stderr)
+        build_engine(resolve_target("demo"), folder, drafter_dir, drafter, force=True, show_progress=False)
     return folder

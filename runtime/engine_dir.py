@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.graph_io import GraphIO, drafter_io, target_io
 
-FORMAT_VERSION = 2  # 2: the op body gathers live cache rows only; CPU drafters skip greedy distributions
+FORMAT_VERSION = 3  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
+# 3: the graph I/O contract (`graph_io`), γ named `gamma`, the attention op's `bidirectional` attribute
 MANIFEST = "manifest.json"
 TARGET_GRAPH = "target.onnx"
 DRAFTER_GRAPH = "drafter.onnx"
@@ -43,13 +45,26 @@ class Manifest:
     eos_token_ids: list[int]
     feature_layers: list[int]
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
-    sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter"), "graph_format"
+    sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter")
     format_version: int = FORMAT_VERSION
 
     @property
     def gamma(self) -> int:
         """γ: draft tokens per round (0 for a target-only engine)."""
         return int(self.drafter["gamma"]) if self.drafter else 0
+
+    def target_io(self) -> GraphIO:
+        t = self.target
+        return target_io(t["num_hidden_layers"], t["num_key_value_heads"], t["head_dim"], self.vocab_size,
+                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.cache_slots, self.max_context)
+
+    def drafter_io(self) -> GraphIO | None:
+        if not self.drafter:
+            return None
+        t, d = self.target, self.drafter
+        return drafter_io(d["drafter_type"], d["num_layers"], t["num_key_value_heads"], t["head_dim"],
+                          t["hidden_size"] * len(self.feature_layers), self.gamma, bool(d["confidence"]),
+                          self.cache_slots, self.max_context)
 
 
 def file_digest(path: Path) -> str:

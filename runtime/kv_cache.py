@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark_runtime.graph_io import GraphIO
+
 
 class KVCache:
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype=np.float32):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.keys = [np.zeros(shape, dtype) for _ in range(layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(layers)]
-        self.max_len = max_len
+    """The `past_key_i` / `past_value_i` inputs of one graph, allocated once from its contract (shape and dtype)."""
+
+    def __init__(self, io: GraphIO):
+        self.arrays = {t.name: np.zeros(t.shape, t.numpy_dtype) for t in io.inputs if t.name.startswith("past_")}
+        self.new_to_past = {"new_" + name.removeprefix("past_"): name for name in self.arrays}
 
     def feeds(self) -> dict[str, np.ndarray]:
-        """The cache as graph inputs `past_key_i` / `past_value_i` (no copies)."""
-        feeds = {}
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            feeds[f"past_key_{layer}"], feeds[f"past_value_{layer}"] = keys, values
-        return feeds
+        """The cache as graph inputs (no copies)."""
+        return self.arrays
 
     def write(self, slot: np.ndarray, pos: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
         """Store the graph's `new_key_i` / `new_value_i` rows [T, Hkv, D] at (slot[t], pos[t])."""
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            keys[slot, :, pos] = outputs[f"new_key_{layer}"]
-            values[slot, :, pos] = outputs[f"new_value_{layer}"]
+        for new, past in self.new_to_past.items():
+            self.arrays[past][slot, :, pos] = outputs[new]
 
 
 class SlotPool:

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_calibration.timing import cost_table, median_seconds
+from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.core import EngineCore
 from dspark_runtime.engine_dir import HARDWARE_CURVE
 from dspark_runtime.scheduler import PROFILED_CONTEXT_ROWS
@@ -29,34 +30,27 @@ def target_sizes(limit: int, dense: int = 16, step: int = 8) -> list[int]:
 
 
 def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
+    """A step of `tokens` new tokens spread over min(tokens, S) requests, each with `context` cached positions."""
     slots = core.manifest.cache_slots
     requests = min(tokens, slots)
     per_request = np.full(requests, tokens // requests)
     per_request[: tokens % requests] += 1
-    slot = np.repeat(np.arange(requests), per_request)
-    pos = np.concatenate([context + np.arange(n) for n in per_request])
     cache_len = np.zeros(slots, dtype=np.int64)
     cache_len[:requests] = context
-    return {"input_ids": np.full(tokens, 5, dtype=np.int64), "pos": pos.astype(np.int64), "slot": slot.astype(np.int64),
-            "cache_len": cache_len, "logit_index": np.arange(tokens, dtype=np.int64)} | core.target_cache.feeds()
+    batch = TargetBatch(np.full(tokens, 5), np.concatenate([context + np.arange(n) for n in per_request]),
+                        np.repeat(np.arange(requests), per_request), cache_len, np.arange(tokens))
+    return batch.feeds(core.target_io) | core.target_cache.feeds()
 
 
 def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> dict[str, np.ndarray]:
-    features = len(core.manifest.feature_layers) * core.manifest.target["hidden_size"]
-    slots = np.arange(requests)
+    """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
+    width = core.drafter_io.input("context_features").shape[1]
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
-    return {
-        "context_features": np.zeros((requests * new_context, features), dtype=np.float32),
-        "context_slot": np.repeat(slots, new_context).astype(np.int64),
-        "context_pos": np.tile(context + np.arange(new_context), requests).astype(np.int64),
-        "anchor_ids": np.full(requests, 5, dtype=np.int64),
-        "anchor_pos": np.full(requests, context + new_context, dtype=np.int64),
-        "request_slot": slots.astype(np.int64),
-        "cache_len": cache_len,
-        "noise": np.full((requests, core.gamma), 0.5, dtype=np.float32),
-        "temperature": np.ones(requests, dtype=np.float32),
-    } | core.drafter_cache.feeds()
+    batch = DraftBatch([DraftRequest(slot=slot, anchor=5, anchor_pos=context + new_context, context_start=context,
+                                     features=np.zeros((new_context, width), np.float32), next_tokens=[5] * new_context,
+                                     temperature=1.0, noise=np.full(core.gamma, 0.5)) for slot in range(requests)], cache_len)
+    return batch.feeds(core.drafter_io) | core.drafter_cache.feeds()
 
 
 def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7,

@@ -42,6 +42,7 @@ class Sequence:
     params: SamplingParams
     spec: SpecMode
     rng: np.random.Generator
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request: end-of-text (unless ignored), stop_token_ids
     slot: int = -1
     prefilled: int = 0  # prompt positions already run through the target
     target_len: int = 0  # positions committed in the target cache
@@ -53,7 +54,8 @@ class Sequence:
     confidence_logits: np.ndarray | None = None  # [γ]
     survival: np.ndarray | None = None  # [γ] calibrated prefix survival of the latest drafts (kept while not drafting)
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)
+    error: Exception | None = None  # why a request finished with "error"
     cancelled: bool = False
     stats: Stats = field(default_factory=Stats)
 

@@ -10,9 +10,7 @@ alongside for reference. Prints one JSON object: aggregate and per-request token
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from unittest import mock
 
 
 def main() -> None:
@@ -25,10 +23,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from dspark_runtime.prompts import demo_prompts_path
     from dspark_runtime import Engine, SamplingParams
     from dspark_runtime.bench import run_mode
-    from dspark_runtime.prompts import read_prompts
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     rows = read_prompts(demo_prompts_path(), args.limit)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -37,9 +34,8 @@ def main() -> None:
         engine.generate(rows[0]["prompt"], SamplingParams(max_tokens=4, temperature=args.temperature), spec="sync")  # warm-up
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             for mode, gated in (("off", True), ("sync", True), ("sync", False), ("async", True), ("async", False)):
-                forced_open = mock.patch.object(engine.core.gate, "worth_drafting", return_value=True)
-                with contextlib.nullcontext() if gated else forced_open:
-                    result = run_mode(engine, rows, params, mode, concurrency)
+                engine.set_draft_gate(gated)
+                result = run_mode(engine, rows, params, mode, concurrency)
                 label = mode if mode == "off" else f"{mode}{'' if gated else ' (gate open)'}"
                 results.append({"mode": label, "concurrency": concurrency,
                                 **{k: round(result[k], 2) for k in ("tokens_per_s", "per_request_tokens_per_s", "tau")}})

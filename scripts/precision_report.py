@@ -18,17 +18,16 @@ from pathlib import Path
 import numpy as np
 
 
-def run_graph(graph: Path, ids: list[int], config) -> np.ndarray:
-    import onnxruntime as ort
+def run_graph(engine: Path, ids: list[int]) -> np.ndarray:
+    """The logits of a whole prompt run as one prefill step through an engine's target graph."""
+    from dspark_runtime.backend import open_graphs
+    from dspark_runtime.batches import TargetBatch
+    from dspark_runtime.engine_dir import read_manifest
+    from dspark_runtime.kv_cache import KVCache
 
-    session = ort.InferenceSession(str(graph))
-    cache_type = np.float16 if "float16" in session.get_inputs()[5].type else np.float32
-    shape = (1, config.num_key_value_heads, len(ids), config.head_dim)
-    feeds = {"input_ids": np.asarray(ids), "pos": np.arange(len(ids)), "slot": np.zeros(len(ids), np.int64),
-             "cache_len": np.zeros(1, np.int64), "logit_index": np.arange(len(ids))}
-    for layer in range(config.num_hidden_layers):
-        feeds[f"past_key_{layer}"] = feeds[f"past_value_{layer}"] = np.zeros(shape, cache_type)
-    return session.run(["logits"], feeds)[0]
+    graph, _ = open_graphs(engine, read_manifest(engine), "ort")
+    batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids)), np.zeros(1), np.arange(len(ids)))
+    return graph.run(batch.feeds(graph.io) | KVCache(graph.io).feeds())["logits"]
 
 
 def main() -> None:
@@ -47,8 +46,8 @@ def main() -> None:
     spec = resolve_target("demo")
     model, tokenizer = load_target(spec)
     rows = read_prompts(demo_prompts_path(), args.prompts)
-    graphs = {dtype: build_engine(spec, args.work / dtype, dtype=dtype, force=True, show_progress=False) / "target.onnx"
-              for dtype in ("float32", "float16")}
+    engines = {dtype: build_engine(spec, args.work / dtype, dtype=dtype, cache_slots=1, max_context=1024, force=True,
+                                   show_progress=False) for dtype in ("float32", "float16")}
     errors: dict[str, list] = {"onnx float32": [], "onnx float16": [], "torch bfloat16": []}
     for row in rows:
         ids = tokenizer.encode(row["prompt"])
@@ -56,8 +55,8 @@ def main() -> None:
             reference = model(torch.tensor([ids])).logits[0].float().numpy()
             bf16 = model.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy()
             model.float()
-        candidates = {"onnx float32": run_graph(graphs["float32"], ids, spec.config),
-                      "onnx float16": run_graph(graphs["float16"], ids, spec.config), "torch bfloat16": bf16}
+        candidates = {"onnx float32": run_graph(engines["float32"], ids), "onnx float16": run_graph(engines["float16"], ids),
+                      "torch bfloat16": bf16}
         for name, logits in candidates.items():
             diff = np.abs(logits.astype(np.float64) - reference)
             errors[name].append((diff.max(), diff.mean(), (logits.argmax(-1) == reference.argmax(-1)).mean()))

@@ -14,12 +14,9 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
-from dspark_export.drafters.checkpoint import build_drafter, save_drafter  # noqa: E402
-from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
 from dspark_runtime.engine_dir import EngineError, read_manifest  # noqa: E402
-from dspark_runtime.tokenizer import ChatTokenizer  # noqa: E402
-from tests.conftest import write_hf_checkpoint  # noqa: E402
+from tests.conftest import write_drafter, write_hf_checkpoint  # noqa: E402
 
 
 @pytest.fixture
@@ -27,15 +24,6 @@ def target(tmp_path):
     folder = write_hf_checkpoint(tmp_path / "target", vocab_size=300)
     train_tokenizer(["def f(x):\n    return x\n", "Hello!"] * 20, folder, vocab_size=300)
     return folder
-
-
-def write_drafter(target_folder, out, **overrides):
-    config = Qwen3Config.from_dir(target_folder)
-    fields = dict(drafter_type="dspark", target=config.architecture_fields() | {"dtype": "float32"},
-                  vocab_hash=ChatTokenizer.from_dir(target_folder).vocab_hash(), mask_token_id=3, num_layers=1,
-                  gamma=3, feature_layers=(1,), markov_rank=8)
-    save_drafter(build_drafter(DrafterConfig(**(fields | overrides))), out)
-    return out
 
 
 def build(*args):
@@ -68,7 +56,7 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_pa
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     folder = _demo_engine()
     manifest = read_manifest(folder)
-    assert set(manifest.sources) == {"target", "drafter", "graph_format"}
+    assert set(manifest.sources) == {"target", "drafter"}
     (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
     assert _demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
     stale = json.loads((folder / "manifest.json").read_text())
@@ -76,7 +64,7 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_pa
     (folder / "manifest.json").write_text(json.dumps(stale))
     assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
     assert read_manifest(folder).sources == manifest.sources
-    stale["sources"] = manifest.sources | {"graph_format": "1"}  # written by an older exporter
+    stale["sources"], stale["format_version"] = manifest.sources, manifest.format_version - 1  # an older exporter's
     (folder / "manifest.json").write_text(json.dumps(stale))
     (folder / "hardware_curve.json").write_text("{}")
     assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
@@ -96,7 +84,7 @@ def test_altered_or_missing_files_are_refused(tmp_path, target):
 
 
 def test_full_disk_leaves_no_engine(tmp_path, target, monkeypatch):
-    from dspark_export import onnx_weights
+    from dspark_export.graphs import weights as onnx_weights
 
     written = []
     original = onnx_weights.ExternalData.add
@@ -132,21 +120,24 @@ def test_bad_inputs(tmp_path, target):
 
 def test_tensorrt_profiles_cover_every_graph_input(tmp_path, target):
     """The TensorRT path's optimization profile, derived from the manifest, for the real graphs (no GPU needed)."""
-    from dspark_export.trt_build import dimension_ranges, graph_inputs, profile_shapes
+    from dspark_export.trt_build import dimension_ranges, profile_shapes
+    from dspark_runtime.graph_io import GraphIO, Tensor
 
     drafter = write_drafter(target, tmp_path / "drafter")
     assert build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"),
                  "--cache-slots", "4", "--max-context", "96", "--max-batch-tokens", "64").exit_code == 0
     manifest = read_manifest(tmp_path / "engine")
     ranges = dimension_ranges(manifest)
-    assert ranges["T"] == (1, 16, 64) and ranges["R"] == (1, 4, 4) and ranges["Lmax"] == (96, 96, 96)
-    target_shapes = profile_shapes(graph_inputs(tmp_path / "engine" / "target.onnx"), ranges)
+    assert ranges["T"] == (1, 16, 64) and ranges["R"] == (1, 4, 4)
+    target_shapes = profile_shapes(manifest.target_io(), ranges)
+    model = onnx.load(str(tmp_path / "engine" / "target.onnx"), load_external_data=False)
+    assert set(target_shapes) == {value.name for value in model.graph.input}
     assert target_shapes["input_ids"] == ((1,), (16,), (64,))
     assert target_shapes["past_key_0"] == ((4, 1, 96, 16),) * 3  # fixed cache: S, Hkv, Lmax, D
-    drafter_shapes = profile_shapes(graph_inputs(tmp_path / "engine" / "drafter.onnx"), ranges)
+    drafter_shapes = profile_shapes(manifest.drafter_io(), ranges)
     assert drafter_shapes["noise"] == ((1, 3), (4, 3), (4, 3)) and drafter_shapes["context_features"][2][0] == 64
     with pytest.raises(Exception, match="dimension 'T'"):
-        profile_shapes([("x", ["T"])], {})
+        profile_shapes(GraphIO("x", (Tensor("x", "int64", ("T",)),), ()), {})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")

@@ -12,7 +12,7 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 pytest.importorskip("torch")
 
-from tests.test_runtime import build_echo_engine  # noqa: E402
+from tests.conftest import build_echo_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")

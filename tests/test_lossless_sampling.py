@@ -19,7 +19,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
-from tests.test_runtime import build_echo_engine  # noqa: E402
+from tests.conftest import build_echo_engine  # noqa: E402
 
 SAMPLES = 3000
 # three tokens, so that the second is produced by verifying a draft (a last token needs no draft)

@@ -17,7 +17,7 @@ from dspark_export.drafters.eagle3 import eagle3_draft  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
-from dspark_export.onnx_drafter import build_drafter_onnx  # noqa: E402
+from dspark_export.graphs.drafter import build_drafter_onnx  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 SLOTS, LMAX, GAMMA = 3, 40, 4
@@ -106,8 +106,8 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     make_drafter(tmp_path, "dspark", "markov")
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
-    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", cpu=int8)
-              for int8 in (False, True)}
+    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx",
+                                       "int8" if int8 else "float", greedy_shortcut=int8) for int8 in (False, True)}
     quantized = onnx.load(str(graphs[True]), load_external_data=False)
     assert not any(node.op_type == "Gemm" for node in quantized.graph.node)  # every projection is int8
     (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
@@ -134,16 +134,15 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
 def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_path, monkeypatch, head):
     """All-greedy CPU calls score the sequential bias on the top base logits only; with every token a
     candidate, their drafts are the greedy rows' drafts of a call that samples (full-vocabulary argmax)."""
-    from dspark_export import onnx_drafter
+    from dspark_export.graphs import block_body
 
     make_drafter(tmp_path, "dspark", head)
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
     config = checkpoint.config
-    monkeypatch.setattr(onnx_drafter, "GREEDY_CANDIDATES", config.vocab_size)
-    float_linear = lambda self, b, x, name: b.op("Gemm", x, self(name), transB=1)  # noqa: E731
-    monkeypatch.setattr(onnx_drafter.DrafterWeights, "linear", float_linear)  # no int8 rounding between the two paths
-    graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / "cpu" / "drafter.onnx", cpu=True)
+    monkeypatch.setattr(block_body, "GREEDY_CANDIDATES", config.vocab_size)
+    # float projections, so that no int8 rounding differs between the two paths
+    graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True)
     rng = np.random.default_rng(3)
     requests, shape = 3, (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
     feeds = {"context_features": rng.standard_normal((6, 2 * config.hidden_size)).astype(np.float32),

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
-from dspark_export.onnx_target import build_target_onnx  # noqa: E402
+from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 SLOTS, LMAX = 3, 32

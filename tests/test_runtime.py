@@ -20,10 +20,8 @@ torch = pytest.importorskip("torch")
 from dspark_export.build import build_engine  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
-from tests.test_build import write_drafter  # noqa: E402
-from tests.conftest import write_hf_checkpoint  # noqa: E402
+from tests.conftest import TEXT, build_echo_engine, write_drafter, write_hf_checkpoint  # noqa: E402
 
-TEXT = ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there, friend!"] * 20
 PROMPTS = ["def add(", "The answer", "Hello", "def f(x):\n    return", "Hello there, friend! The"]
 
 
@@ -100,7 +98,7 @@ def test_queueing_and_cancellation_return_every_slot(engine):
             assert result.token_ids == expected[requests[index][0]]
         else:
             assert index in cancelled
-    assert sorted(engine.core.slots.free) == [0, 1, 2, 3] and not engine.core.active
+    assert engine.status() == {"active": 0, "waiting": 0, "free_slots": 4, "slots": 4}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -136,44 +134,6 @@ def test_request_after_shutdown(engine_dir):
 def test_runtime_imports_no_torch():
     code = "import sys, dspark_runtime, dspark_runtime.engine; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-
-
-def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64,
-                      flat_curve: bool = False):
-    """Positive control: with every layer's output projection zeroed, target and drafter both map a token
-    to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
-    A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
-    `embedding_scale` sharpens both distributions (larger logits); `flat_curve` writes a stand-in
-    hardware_curve.json so that loading skips profiling."""
-    from safetensors.torch import load_file, save_file
-
-    from dspark_export.drafters.checkpoint import build_drafter, save_drafter
-    from dspark_export.drafters.config import DrafterConfig
-
-    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=context, tie_word_embeddings=True)
-    train_tokenizer(TEXT, target, vocab_size=300)
-    weights = load_file(target / "model.safetensors")
-    for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name].zero_()
-    weights["model.embed_tokens.weight"] *= embedding_scale
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    drafter_dir = write_drafter(target, root / "drafter", gamma=3)
-    drafter = build_drafter(DrafterConfig.from_dir(drafter_dir))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param.zero_()
-            if name == "markov_w2.weight":
-                param.normal_(0, markov_scale) if markov_scale else param.zero_()
-    save_drafter(drafter, drafter_dir)
-    engine_dir = build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
-                              show_progress=False)
-    if flat_curve:
-        curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
-        (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))
-    return engine_dir
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +234,9 @@ def test_calibrate_command(tmp_path_factory):
                                        "--threads", "1", "--temperature", "0", "--bias", "--json"])
     assert greedy.exit_code == 0, greedy.output
     with Engine.load(engine_dir, threads=1, profile=False) as engine:  # one fit per sampling temperature
-        assert sorted(engine.core.sts) == [0.0, 1.0] and engine.core.sts[1.0][0].tolist() == report["temperatures"]
-        assert not engine.core.sts[1.0][1].any() and engine.core.sts[0.0][1].tolist() == json.loads(
+        fits = engine.calibration
+        assert sorted(fits) == [0.0, 1.0] and fits[1.0][0].tolist() == report["temperatures"]
+        assert not fits[1.0][1].any() and fits[0.0][1].tolist() == json.loads(
             next(line for line in greedy.output.splitlines() if line.startswith("{")))["biases"]
 
 
@@ -293,8 +254,9 @@ def test_eagle3_engine_is_lossless_batched(tmp_path):
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "eagle3", cache_slots=4,
                           max_batch_tokens=32, show_progress=False)
-    with Engine.load(folder, threads=1, profile=False) as engine:
+    with Engine.load(folder, threads=1) as engine:  # profiled on load, like every drafter kind
+        assert engine.has_speed_curve
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS[:3]]
-        handles = [engine.submit(p, GREEDY, spec="fixed:3") for p in PROMPTS[:3]]
-        fast = [h.result() for h in handles]
-    assert [f.token_ids for f in fast] == plain
+        for spec in ("fixed:3", "async"):
+            handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS[:3]]
+            assert [h.result().token_ids for h in handles] == plain

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 
 from dspark_runtime import Engine, SamplingParams  # noqa: E402
 from dspark_runtime.server import create_app  # noqa: E402
-from tests.test_runtime import build_echo_engine  # noqa: E402
+from tests.conftest import build_echo_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,8 @@ def test_disconnect_mid_stream_cancels_the_request(server, monkeypatch):
             if line.startswith("data: "):
                 break  # leave after the first chunk
     deadline = time.time() + 10
-    while engine.core.busy and time.time() < deadline:
+    while engine.status()["active"] and time.time() < deadline:
         time.sleep(0.05)
     assert submitted[0].sequence.finish_reason == "cancelled" and len(submitted[0].sequence.generated) < 1000
-    assert not engine.core.busy and len(engine.core.slots.free) == engine.core.slots.total
+    status = engine.status()
+    assert not status["active"] and status["free_slots"] == status["slots"]

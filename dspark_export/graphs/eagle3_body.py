@@ -1,6 +1,6 @@
 """The EAGLE-3 baseline's `drafter.onnx` body: its whole autoregressive draft loop, unrolled γ steps in one graph.
 
-Inputs (besides those of the block drafters, see `onnx_drafter`)
+Inputs beyond the block drafters' (`dspark_runtime.graph_io`)
     context_ids [C]    the token after each context position t (entry t holds x_{t+1} and the features of t)
     context_last [R]   index in C of each request's newest entry, t = anchor_pos - 1 (every request brings at
                        least one new entry; the runtime's steps commit at least one token per request)
@@ -12,28 +12,25 @@ causal `DSparkVarlenAttention` call over [context entries; chain entries so far]
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from onnx import TensorProto, helper
 
 from dspark_export.drafters.config import DrafterConfig
-from dspark_export.onnx_target import DecoderOps, rope_tables
+from dspark_export.graphs.decoder import DecoderOps, rope_tables
+from dspark_export.graphs.sampler import Sampler
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
-
-if TYPE_CHECKING:
-    from dspark_export.onnx_drafter import Sampler
+from dspark_runtime.graph_io import GraphIO
 
 
-def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler) -> tuple[list, list]:
-    """Build the graph into `b`; returns (inputs, outputs) value infos."""
+def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:
+    """Build the graph into `b`: step 0 of every new context entry, then γ chained draft steps."""
     t = config.target_config
     hq, hkv, d = t.num_attention_heads, t.num_key_value_heads, t.head_dim
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
     def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
-        x = b.op("Concat", ops.rms_norm(b.op("Gather", ops.weight("embed_tokens.weight"), token_ids), "embed_norm.weight"),
+        x = b.op("Concat", ops.rms_norm(b.op("Gather", ops.weights("embed_tokens.weight"), token_ids), "embed_norm.weight"),
                  ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
         cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
         q = ops.projected_heads(x, "q_proj.weight", "q_norm.weight", q_shape, cos, sin)
@@ -51,20 +48,21 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
         pad = b.op("ConstantOfShape", b.op("Concat", earlier, b.const([hq, d]), axis=0),
                    value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
         out = b.name("attention")
-        b.nodes.append(varlen_attention_node([b.op("Concat", pad, query, axis=0), cat(keys), cat(values), "past_key_0",
-                                              "past_value_0", cat(slots), cat(positions), "cache_len"], out, d))
+        b.nodes.append(varlen_attention_node([b.op("Concat", pad, query, axis=0), cat(keys), cat(values), past_key,
+                                              past_value, cat(slots), cat(positions), "cache_len"], out, d))
         return b.op("Slice", out, earlier, b.const([np.iinfo(np.int64).max]), b.const([0]))
 
+    (past_key,), (past_value,) = io.cache_names("past_key"), io.cache_names("past_value")
     context = ops.linear("context_features", "fc.weight")  # [C, H]
     q0, k0, v0 = project("context_ids", context, "context_pos")
-    b.op("Identity", k0, name="new_key_0")
-    b.op("Identity", v0, name="new_value_0")
+    b.op("Identity", k0, name=io.cache_names("new_key")[0])
+    b.op("Identity", v0, name=io.cache_names("new_value")[0])
     keys, values, slots, positions = [k0], [v0], ["context_slot"], ["context_pos"]
     entries = finish(attend(q0, keys, values, slots, positions), context)  # step 0 of every new entry
     hidden = b.op("Gather", entries, "context_last", axis=0)  # [R, H]: the newest entry of each request
     tokens, probs = [], []
     for step in range(config.gamma):
-        token, prob = sampler.pick(ops.weight.linear(b, ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
+        token, prob = sampler.pick(ops.linear(ops.rms_norm(hidden, "norm.weight"), "lm_head.weight"), step)
         tokens.append(b.op("Unsqueeze", token, b.const([1])))
         probs.append(prob)
         if step == config.gamma - 1:
@@ -75,15 +73,3 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
         hidden = finish(attend(q, keys, values, slots, positions), hidden)
     b.op("Concat", *tokens, axis=1, name="draft_tokens")
     b.op("Concat", *probs, axis=1, name="draft_probs")
-
-    inputs = [helper.make_tensor_value_info("context_features", TensorProto.FLOAT, ["C", t.hidden_size * len(config.feature_layers)])]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.INT64, [s]) for n, s in [
-        ("context_ids", "C"), ("context_slot", "C"), ("context_pos", "C"), ("context_last", "R"), ("anchor_pos", "R"),
-        ("request_slot", "R"), ("cache_len", "S")]]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", hkv, "Lmax", d]) for n in ("past_key_0", "past_value_0")]
-    inputs += [helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["R", config.gamma]),
-               helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["R"])]
-    outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", config.gamma]),
-               helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", config.gamma, "P"])]
-    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["C", hkv, d]) for n in ("new_key_0", "new_value_0")]
-    return inputs, outputs

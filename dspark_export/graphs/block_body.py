@@ -1,0 +1,141 @@
+"""The DSpark and DFlash drafter graph: a parallel backbone over [new context; block], then DSpark's
+sequential head (Markov or RNN) and confidence head, and the draws.
+
+The block [anchor, MASK x (γ-1)] of each request attends to its slot's cache, the new context of its slot,
+and itself (bidirectionally): one `DSparkVarlenAttention` call in bidirectional mode over [context tokens;
+block tokens]. The new context rows' K/V are the outputs the runtime commits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from dspark_export.drafters.config import DrafterConfig
+from dspark_export.graphs.decoder import DecoderOps, rope_tables
+from dspark_export.graphs.sampler import Sampler
+from dspark_plugins.builder import GraphBuilder
+from dspark_plugins.onnx_function import varlen_attention_node
+from dspark_runtime.graph_io import GraphIO
+
+
+def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:
+    """The DSpark / DFlash graph: backbone over [context; block], then the sequential and confidence heads."""
+    t = config.target_config
+    hq, hkv, d, gamma, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.gamma, t.vocab_size
+    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+
+    # block inputs: [anchor, MASK x (γ-1)] per request at positions anchor_pos + j
+    requests = b.op("Shape", "anchor_ids")
+    offsets = b.const(np.arange(gamma), np.int64)
+    block_pos = b.op("Reshape", b.op("Add", b.op("Unsqueeze", "anchor_pos", b.const([1])), offsets), b.const([-1]))
+    block_slot = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", "request_slot", b.const([1])),
+                                      b.op("Concat", requests, b.const([gamma]), axis=0)), b.const([-1]))
+    is_anchor = b.const((np.arange(gamma) == 0)[None, :], np.bool_)
+    block_ids = b.op("Reshape", b.op("Where", is_anchor, b.op("Unsqueeze", "anchor_ids", b.const([1])),
+                                     b.const(config.mask_token_id)), b.const([-1]))
+    x = b.op("Gather", ops.weights("embed_tokens.weight"), block_ids)  # [R·γ, H]
+    context = ops.rms_norm(ops.linear("context_features", "fc.weight"), "hidden_norm.weight")  # [C, H]
+    all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
+    cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
+    context_count = b.op("Shape", "context_pos")
+    split = b.op("Concat", context_count, b.op("Shape", block_pos), axis=0)
+    (cos_ctx, cos_blk), (sin_ctx, sin_blk) = (b.op("Split", c, split, axis=0, outputs=2) for c in (cos, sin))
+    query_pad = b.op("ConstantOfShape", b.op("Concat", context_count, b.const([hq, d]), axis=0),
+                     value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
+    new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        attn = p + "self_attn."
+        k_ctx = ops.projected_heads(context, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_ctx, sin_ctx)
+        v_ctx = b.op("Reshape", ops.linear(context, attn + "v_proj.weight"), kv_shape)
+        new_k, new_v = b.op("Identity", k_ctx, name=new_keys[layer]), b.op("Identity", v_ctx, name=new_values[layer])
+        h = ops.rms_norm(x, p + "input_layernorm.weight")
+        q = ops.projected_heads(h, attn + "q_proj.weight", attn + "q_norm.weight", q_shape, cos_blk, sin_blk)
+        k = ops.projected_heads(h, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_blk, sin_blk)
+        v = b.op("Reshape", ops.linear(h, attn + "v_proj.weight"), kv_shape)
+        attended_all = f"attention_{layer}"
+        b.nodes.append(varlen_attention_node(
+            [b.op("Concat", query_pad, q, axis=0), b.op("Concat", new_k, k, axis=0), b.op("Concat", new_v, v, axis=0),
+             past_keys[layer], past_values[layer], all_slot, all_pos, "cache_len"], attended_all, d, bidirectional=True,
+            name=f"attention_node_{layer}"))
+        attended = b.op("Slice", attended_all, context_count, b.const([np.iinfo(np.int64).max]), b.const([0]))
+        x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
+        h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
+        x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
+    hidden = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
+    base = b.op("Reshape", ops.linear(hidden, "lm_head.weight"), b.op("Concat", requests, b.const([gamma, vocab]), axis=0))
+    _sequential_head(b, ops, config, hidden, base, sampler)
+
+
+GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
+
+
+def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str,
+                     sampler: Sampler) -> None:
+    """Unrolled γ steps under one `If` (bias from the previous token, a draw from one uniform each), then
+    the confidence logits of all steps in one product: they need only the hidden state and the previous token.
+    `hidden` [R·γ, H] are the backbone's normed states, `base` [R, γ, V] their base logits.
+
+    CPU graphs draw all-greedy calls from the top `GREEDY_CANDIDATES` base logits of each position: the
+    sequential bias is computed for those tokens only, not the whole vocabulary. A greedy draft is only a
+    guess (greedy verification checks it against the target's argmax), so this changes speed, not output.
+    """
+    weights, vocab, gamma = ops.weights, config.target_config.vocab_size, config.gamma
+    hidden_size = config.target_config.hidden_size
+    per_step = b.op("Reshape", hidden, b.const([-1, gamma, hidden_size]))  # [R, γ, H]
+
+    def head_input(sub: GraphBuilder, previous: str, state: str | None, k: int) -> tuple[str, str | None]:
+        """The [R, r] vector the Markov output matrix multiplies at step k, and the RNN state."""
+        code = sub.op("Gather", weights("markov_w1.weight"), previous)  # [R, r]
+        if config.head == "markov":
+            return code, state
+        if state is None:
+            state = sub.op("Mul", code, sub.const(0.0, np.float32))
+        h_k = sub.op("Gather", per_step, sub.const(k), axis=1)  # [R, H]
+        z = weights.linear(sub, sub.op("Concat", state, code, h_k, axis=-1), "rnn.weight", "rnn.bias")
+        gate, candidate, out = sub.op("Split", z, axis=-1, num_outputs=3, outputs=3)
+        gate = sub.op("Sigmoid", gate)
+        state = sub.op("Add", sub.op("Mul", gate, state),
+                       sub.op("Mul", sub.op("Sub", sub.const(1.0, np.float32), gate), sub.op("Tanh", candidate)))
+        return sub.op("Tanh", out), state
+
+    def chain(sub: GraphBuilder, sample: bool) -> list[str]:
+        if not sample and sampler.greedy_shortcut and config.head != "none":
+            return greedy_candidates(sub)
+        previous, state = "anchor_ids", None
+        tokens, probs = [], []
+        for k in range(gamma):
+            logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V]
+            if config.head != "none":
+                vector, state = head_input(sub, previous, state, k)
+                logits = sub.op("Add", logits, weights.linear(sub, vector, "markov_w2.weight"))
+            token, prob = sampler.draw(sub, logits, k, sample)
+            tokens.append(sub.op("Unsqueeze", token, sub.const([1])))
+            probs.append(prob)
+            previous = token
+        return [sub.op("Concat", *tokens, axis=1), sub.op("Concat", *probs, axis=1)]
+
+    def greedy_candidates(sub: GraphBuilder) -> list[str]:
+        top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
+        rows = sub.op("Transpose", sub.op("Gather", weights("markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
+        previous, state, tokens = "anchor_ids", None, []
+        for k in range(gamma):
+            index = sub.const(k)
+            vector, state = head_input(sub, previous, state, k)
+            bias = sub.op("MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1))  # [R, 1, M]
+            scores = sub.op("Add", sub.op("Squeeze", bias, sub.const([1])), sub.op("Gather", top_logits, index, axis=1))
+            best = sub.op("ArgMax", scores, axis=-1, keepdims=1)  # [R, 1]
+            tokens.append(sub.op("GatherElements", sub.op("Gather", top_ids, index, axis=1), best, axis=1))
+            previous = sub.op("Squeeze", tokens[-1], sub.const([1]))
+        no_distribution = sub.op("Slice", base, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, γ, 0]
+        return [sub.op("Concat", *tokens, axis=1), no_distribution]
+
+    tokens, _ = sampler.chain(chain, [("draft_tokens", TensorProto.INT64), ("draft_probs", TensorProto.FLOAT)])
+    if config.confidence:  # σ(w · [h_k, W1[previous_k]] + b): previous = [anchor, drafts 0..γ-2]
+        previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
+                        b.op("Slice", tokens, b.const([0]), b.const([gamma - 1]), b.const([1])), axis=1)
+        codes = b.op("Gather", weights("markov_w1.weight"), b.op("Reshape", previous, b.const([-1])))  # [R·γ, r]
+        logits = weights.linear(b, b.op("Concat", hidden, codes, axis=-1), "confidence_head.weight", "confidence_head.bias")
+        b.op("Reshape", logits, b.const([-1, gamma]), name="confidence_logits")

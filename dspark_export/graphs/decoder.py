@@ -1,0 +1,55 @@
+"""The ops of a Qwen3 decoder on flattened [T, H] activations, shared by the target and drafter graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from dspark_export.graphs.weights import Weights
+from dspark_plugins.builder import GraphBuilder
+
+
+class DecoderOps:
+    """The ops of a Qwen3 decoder on [T, H] activations, appending to one GraphBuilder."""
+
+    def __init__(self, b: GraphBuilder, weights: Weights, eps: float, dtype: int, head_dim: int):
+        self.b, self.weights, self.eps, self.dtype, self.head_dim = b, weights, eps, dtype, head_dim
+
+    def rms_norm(self, x: str, weight_name: str) -> str:
+        """Normalise in float32 over the last axis, then scale in the graph dtype (as Hugging Face does)."""
+        b = self.b
+        wide = b.op("Cast", x, to=TensorProto.FLOAT)
+        # Pow (not Mul) so that ONNX Runtime fuses the pattern into one SimplifiedLayerNormalization
+        variance = b.op("ReduceMean", b.op("Pow", wide, b.const(2.0, np.float32)), b.const([-1]), keepdims=1)
+        normed = b.op("Div", wide, b.op("Sqrt", b.op("Add", variance, b.const(self.eps, np.float32))))
+        return b.op("Mul", b.op("Cast", normed, to=self.dtype), self.weights(weight_name))
+
+    def linear(self, x: str, weight_name: str) -> str:
+        return self.weights.linear(self.b, x, weight_name)
+
+    def projected_heads(self, x: str, weight_name: str, norm_name: str, shape: str, cos: str, sin: str) -> str:
+        """A Qwen3 query or key: x·Wᵀ split into heads (`shape`), RMS-normed per head, rotated."""
+        return self.rope(self.rms_norm(self.b.op("Reshape", self.linear(x, weight_name), shape), norm_name), cos, sin)
+
+    def swiglu(self, x: str, prefix: str) -> str:
+        """The MLP: down(silu(gate(x)) · up(x)) with weights `{prefix}gate_proj.weight` etc."""
+        b = self.b
+        gate = self.linear(x, prefix + "gate_proj.weight")
+        return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), self.linear(x, prefix + "up_proj.weight")),
+                           prefix + "down_proj.weight")
+
+    def rope(self, x: str, cos: str, sin: str) -> str:
+        """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""
+        b, half = self.b, self.head_dim // 2
+        swapped = b.const(np.r_[np.arange(half, 2 * half), np.arange(half)])
+        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, swapped, axis=-1), sin))
+
+
+def rope_tables(b: GraphBuilder, pos: str, head_dim: int, theta: float, factor: float, dtype: int) -> tuple[str, str]:
+    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles, then the
+    graph dtype), for `DecoderOps.rope`."""
+    inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor).astype(np.float32)
+    angles = b.op("Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32))
+    angles = b.op("Unsqueeze", b.op("Concat", angles, angles, axis=-1), b.const([1]))
+    sign = b.const(np.repeat([-1.0, 1.0], head_dim // 2), np.float32)
+    return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Mul", b.op("Sin", angles), sign), to=dtype)
