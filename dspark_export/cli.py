@@ -7,6 +7,7 @@ import json
 import click
 
 from dspark_export.presets import KNOWN_TARGETS
+from dspark_runtime.graph_io import DRAFTER_TYPES
 from dspark_runtime.cli_errors import DSparkGroup
 
 
@@ -53,7 +54,7 @@ def inspect(target: str | None, target_path: str | None, slots: int, context: in
 
 @main.command()
 @target_options
-@click.option("--drafter-type", type=click.Choice(["dspark", "dflash", "eagle3"]), default="dspark", show_default=True)
+@click.option("--drafter-type", type=click.Choice(DRAFTER_TYPES), default="dspark", show_default=True)
 @click.option("--head", type=click.Choice(["markov", "rnn"]), default="markov", show_default=True, help="DSpark's sequential head.")
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Drafter layers.")
 @click.option("--gamma", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")

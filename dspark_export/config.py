@@ -46,11 +46,6 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
-    @property
-    def gqa_group(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def num_parameters(self) -> int:
         """Parameter count of the checkpoint (the tied LM head counted once)."""
         h, d = self.hidden_size, self.head_dim

@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
+from onnx import AttributeProto, NodeProto, helper, numpy_helper
 
 
 class GraphBuilder:
-    """Collects nodes (and constant initializers) with generated, readable value names."""
+    """Collects nodes with generated, readable value names."""
 
     def __init__(self, prefix: str = ""):
         self.prefix = prefix
         self.nodes: list[NodeProto] = []
-        self.initializers: list[TensorProto] = []
         self._count = 0
 
     def name(self, hint: str) -> str:
@@ -45,8 +44,3 @@ class GraphBuilder:
         node.attribute[-1].ref_attr_name = attribute
         self.nodes.append(node)
         return output
-
-    def initializer(self, array: np.ndarray, hint: str) -> str:
-        name = self.name(hint)
-        self.initializers.append(numpy_helper.from_array(array, name))
-        return name

@@ -5,7 +5,7 @@ carries `plugin_namespace`/`plugin_version`. The body takes the A slots that hav
 (Unique), pads each request's new tokens to [A, n_max] (a Gather at (slot, offset in request)), runs one
 batched attention per request against its own cache rows (masked beyond `cache_len`), and unpads with
 GatherND; idle slots cost nothing. Scores and softmax are float32 for
-every input precision. (`research/varlen-attention-cpu.md`: the padded body is the best standard-op
+every input precision. (Measured on ONNX Runtime's CPU provider: the padded body is the best standard-op
 form for batches; attending over the whole flattened cache or gathering per token is 5-20x slower.)
 """
 

@@ -1,7 +1,7 @@
 """ONNX Runtime sessions for the engine's graphs (the runtime has no TensorRT backend yet).
 
 On 2 cores, two sessions with default settings ran at half the speed of one because their spinning
-intra-op pools fought (research/feasibility.md §5): a pool keeps spinning for a while after its run returns,
+intra-op pools fought (measured in the project's feasibility study): a pool keeps spinning for a while after its run returns,
 on the cores the other session's run needs. Here both pools spin during a run (fast hand-offs between ops)
 and stop the moment it returns (`session.force_spinning_stop`), so the target and the drafter each get every
 core without a fight. Measured on the demo against the previous setting (drafter on one thread, only the

@@ -23,7 +23,6 @@ from dspark_runtime.errors import DSparkError
 ACTIVATION = "activation"
 NUMPY_DTYPES = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")  # bfloat16 graphs are for TensorRT (numpy and ORT's CPU lack it)
-CALL_DIMS = ("T", "N", "C", "R", "P")  # set per call; every other symbol is fixed for an engine
 
 
 @dataclass(frozen=True)

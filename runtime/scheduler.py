@@ -108,10 +108,6 @@ def schedule_top_k(survival: np.ndarray, budget: int, cap: int | None = None) ->
     return lengths
 
 
-def schedule_fixed(requests: int, drafts: int, gamma: int) -> np.ndarray:
-    return np.full(requests, min(drafts, gamma), dtype=np.int64)
-
-
 class AsyncScheduler:
     """`async`: this step verifies the top K drafts by current a, where K was computed (global search, no
     stop) from the confidences of two steps earlier; the first two steps verify one draft per request."""

@@ -1,4 +1,4 @@
 """The bundled demo target: offline corpus, BPE tokenizer, a small Qwen3 trained on CPU, prompt sets.
 
-`python -m dspark_export.demo.build` (or `scripts/build_demo.sh`) rebuilds all of it with fixed seeds.
+`python -m dspark_export.demo.build` rebuilds all of it with fixed seeds.
 """

@@ -18,10 +18,6 @@ ITEMS = [("apple", "apples"), ("notebook", "notebooks"), ("pencil", "pencils"), 
 OPENERS = ["", "Here is a problem. ", "Solve this: ", "Question: ", "Can you help with this? "]
 
 
-def _money(cents: int) -> str:
-    return f"${cents // 100}.{cents % 100:02d}"
-
-
 def shopping(rng: random.Random) -> tuple[str, list[str], int]:
     name, (_, many) = rng.choice(NAMES), rng.choice(ITEMS)
     count, price, paid_extra = rng.randint(2, 12), rng.randint(1, 9), rng.randint(1, 20)

@@ -10,8 +10,8 @@ from typing import Any
 from dspark_export.config import Qwen3Config
 from dspark_export.errors import CheckpointError, ConfigError
 from dspark_runtime.errors import read_json_file
+from dspark_runtime.graph_io import DRAFTER_TYPES
 
-DRAFTER_TYPES = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
 
 
