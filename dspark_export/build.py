@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dspark_export.checkpoint import Checkpoint, expected_shapes
-from dspark_export.config import DTYPES
+from dspark_export.config import DTYPES, Qwen3Config
 from dspark_export.graphs.drafter import build_drafter_onnx
-from dspark_export.graphs.target import build_target_onnx
+from dspark_export.graphs.target import attention_for, build_target_onnx
+from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat
 from dspark_export.presets import TargetSpec
+from dspark_export.sizing import size_engine
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.tokenizer import ChatTokenizer
@@ -41,16 +44,45 @@ def resolve_backend(backend: str) -> str:
     return "ort"  # "auto": the runtime runs ONNX Runtime engines; TensorRT is asked for by name
 
 
-def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
-                 backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
-                 max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True) -> Path:
-    """Write the engine directory `out`; returns it."""
-    backend = resolve_backend(backend)
+def float_weights(dtype: str) -> WeightFormat:
+    """The float weight format of an activation dtype (fp32 for float32, ...)."""
+    return WeightFormat(next(name for name, of in FLOAT_WEIGHTS.items() if of == dtype))
+
+
+def check_options(config: Qwen3Config, backend: str, dtype: str, weights: WeightFormat,
+                  drafter_weights: WeightFormat | None) -> None:
+    """Refuse an unsupported combination, naming the option, before anything is written."""
     if dtype not in DTYPES:
         raise DSparkError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if dtype == "bfloat16" and backend == "ort":
         raise DSparkError("--dtype bfloat16 needs --backend trt: ONNX Runtime's CPU provider has no bfloat16 kernels "
                           "(use float16 or float32)")
+    if weights.bits is None and FLOAT_WEIGHTS[weights.name] != dtype:
+        raise DSparkError(f"--weights {weights.name} needs --dtype {FLOAT_WEIGHTS[weights.name]} (float weights are "
+                          "stored in the activation precision)")
+    for option, chosen in (("--weights", weights), ("--drafter-weights", drafter_weights)):
+        if chosen is not None and chosen.bits and backend == "trt":
+            raise DSparkError(f"{option} {chosen.name} needs --backend ort (TensorRT engines keep float weights)")
+    if drafter_weights is not None and drafter_weights.bits is None and drafter_weights.name != "fp32":
+        raise DSparkError(f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8 or int4")
+    if weights.bits:
+        widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+        bad = [w for w in widths if w % weights.block_size]
+        if bad:
+            raise DSparkError(f"--quant-block-size {weights.block_size} does not divide the input width {bad[0]}")
+
+
+def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
+                 backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
+                 max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True,
+                 weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,
+                 kv_memory: int | None = None) -> Path:
+    """Write the engine directory `out`; returns it. `weights` default to the dtype's float format; the drafter's
+    to int8 on ONNX Runtime and fp32 on TensorRT. The context defaults to what `kv_memory` holds."""
+    backend = resolve_backend(backend)
+    weights = weights or float_weights(dtype)
+    check_options(spec.config, backend, dtype, weights, drafter_weights)
+    drafter_weights = drafter_weights or WeightFormat("int8" if backend == "ort" else "fp32", weights.block_size)
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
@@ -64,25 +96,34 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         drafter_config = DrafterConfig.from_dir(drafter_dir)
         drafter_config.check_target(spec.config, tokenizer.vocab_hash())
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
-    max_context = max_context or spec.config.max_position_embeddings
+    gamma = drafter_config.gamma if drafter_config else 0
+    size = size_engine(spec.config, cache_slots, dtype, weights, gamma, max_context, kv_memory)
+    lowering = "ort" if backend == "ort" else "portable"
+    attention = attention_for(spec.config, lowering)
+    if show_progress:
+        print(f"engine: {weights.name} weights, {dtype} activations; {size.line()}", file=sys.stderr)
+        if lowering == "ort" and attention != "gqa":
+            print(f"note: GroupQueryAttention cannot serve head size {spec.config.head_dim}; "
+                  "the target uses the portable attention op", file=sys.stderr)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         total = len(expected_shapes(spec.config))
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
-            build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, progress=bar.update)
-        if drafter_dir is not None:
-            ort = backend == "ort"  # ONNX Runtime: int8 drafter projections, all-greedy calls skip distributions
-            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, "int8" if ort else "float", ort)
+            build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, weights, lowering,
+                              size.cache_rows, progress=bar.update)
+        if drafter_dir is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions
+            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, drafter_weights, backend == "ort")
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)
         manifest = Manifest(
             target=spec.config.to_hf_dict(), target_name=spec.name, drafter=(drafter_config and _config_dict(drafter_config)),
-            drafter_name=drafter_name, dtype=dtype, backend=backend, cache_slots=cache_slots, max_context=max_context,
-            max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
-            eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers,
+            drafter_name=drafter_name, dtype=dtype, backend=backend, cache_slots=cache_slots,
+            max_context=size.max_context, max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
+            eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers, weights=weights.name,
+            drafter_weights=drafter_config and drafter_weights.name, attention=attention,
             sources=source_digests(folder, drafter_dir),
         )
         if backend == "trt":

@@ -6,9 +6,11 @@ import json
 
 import click
 
+from dspark_export.config import DTYPES
+from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
-from dspark_runtime.graph_io import DRAFTER_TYPES
 from dspark_runtime.cli_errors import DSparkGroup
+from dspark_runtime.graph_io import DRAFTER_TYPES
 
 
 def target_options(command):
@@ -17,6 +19,30 @@ def target_options(command):
                            help="Hugging Face model folder (config.json + safetensors); never downloaded.")(command)
     return click.option("--target", type=click.Choice(KNOWN_TARGETS), default=None,
                         help="Named architecture; weights from --target-path or the local Hugging Face cache.")(command)
+
+
+def engine_options(command):
+    """How an engine is sized and stored, shared by `build` and `inspect` so that both report the same memory."""
+    options = [
+        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+                     help="Activation precision (float32 on CPU; bfloat16 needs --backend trt)."),
+        click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=None,
+                     help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4."),
+        click.option("--quant-block-size", type=click.IntRange(min=16), default=32, show_default=True,
+                     help="Weights per quantization block (int8, int4)."),
+        click.option("--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests."),
+        click.option("--max-context", type=click.IntRange(min=2), default=None,
+                     help="Tokens per request (default: what --kv-memory holds, at most the model's positions)."),
+        click.option("--kv-memory", default="4GiB", show_default=True, help="KV cache budget that sizes the default context."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def weight_format(dtype: str, weights: str | None, block_size: int) -> WeightFormat:
+    """--weights (default: the --dtype's float format) as a WeightFormat."""
+    return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size)
 
 
 def default_to_demo(target: str | None, target_path: str | None) -> tuple[str | None, str | None]:
@@ -31,24 +57,24 @@ def main() -> None:
 
 @main.command()
 @target_options
-@click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True, help="Concurrent requests (KV cache slots).")
-@click.option("--context", type=click.IntRange(min=1), default=4096, show_default=True, help="Tokens per slot.")
-@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="KV cache precision (default: the weights').")
+@engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(target: str | None, target_path: str | None, slots: int, context: int, kv_dtype: str | None, as_json: bool) -> None:
-    """Show a target's architecture, size and the memory for weights plus a KV cache.
+def inspect(target, target_path, dtype, weights, quant_block_size, cache_slots, max_context, kv_memory, as_json) -> None:
+    """Show a target's architecture, size and the memory of an engine built from it (as `build` would size it).
 
     \b
     Examples:
-      dspark-export inspect --target qwen3-8b --slots 4 --context 8192
+      dspark-export inspect --target qwen3-8b --weights int4 --cache-slots 4 --max-context 8192
       dspark-export inspect --target-path ~/models/Qwen3-4B
-    Library: dspark_export.inspect.describe_target(resolve_target(target, target_path), slots, context)
     """
     from dspark_export.inspect import describe_target, format_report
     from dspark_export.presets import resolve_target
+    from dspark_export.sizing import parse_bytes, size_engine
 
-    report = describe_target(resolve_target(target, target_path), slots, context, kv_dtype)
+    spec = resolve_target(target, target_path)
+    fmt = weight_format(dtype, weights, quant_block_size)
+    size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_bytes(kv_memory))
+    report = describe_target(spec, size, dtype, fmt.name)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
@@ -148,13 +174,13 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
 @click.option("--no-drafter", is_flag=True, help="Build a target-only engine even where a default drafter exists.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache).")
 @click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="Target graph precision (fp32 on CPU).")
-@click.option("--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests.")
-@click.option("--max-context", type=click.IntRange(min=2), default=None, help="Tokens per request (default: the model's).")
+@engine_options
+@click.option("--drafter-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
+              help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
-def build(target, target_path, drafter, no_drafter, out, backend, dtype, cache_slots, max_context, max_batch_tokens, force) -> None:
+def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights, quant_block_size, cache_slots, max_context,
+          kv_memory, drafter_weights, max_batch_tokens, force) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
 
     \b
@@ -167,6 +193,7 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, cache_s
     from dspark_export.build import build_engine, default_engine_dir
     from dspark_export.drafters.bundled import bundled_drafters, resolve_drafter
     from dspark_export.presets import resolve_target
+    from dspark_export.sizing import parse_bytes
 
     spec = resolve_target(*default_to_demo(target, target_path))
     if drafter is None and not no_drafter and spec.name == "demo" and "demo-dspark" in bundled_drafters():
@@ -175,5 +202,7 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, cache_s
     drafter_name = None if drafter_dir is None else (drafter if drafter.startswith("demo-") else drafter_dir.name)
     out_dir = Path(out) if out else default_engine_dir(spec.name, drafter_name)
     engine = build_engine(spec, out_dir, drafter_dir, drafter_name, backend, dtype, cache_slots, max_context,
-                          max_batch_tokens, force)
+                          max_batch_tokens, force, weights=weight_format(dtype, weights, quant_block_size),
+                          drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size),
+                          kv_memory=parse_bytes(kv_memory))
     click.echo(f"engine written to {engine}")

@@ -5,22 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.config import DTYPE_BYTES
 from dspark_export.presets import PRESETS, TargetSpec
+from dspark_export.sizing import EngineSize
 
 
-def describe_target(spec: TargetSpec, slots: int, context: int, kv_dtype: str | None = None) -> dict[str, Any]:
-    """Facts about a target and the memory for its weights plus a KV cache of `slots` × `context`.
+def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: str) -> dict[str, Any]:
+    """Facts about a target and the memory of an engine built from it (`size`, as `dspark-export build` sizes it).
 
     The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
     """
     config = spec.config
-    dtype = config.dtype
-    if spec.path is not None:
-        dtype = Checkpoint(spec.path, config).dtype
-    parameters = config.num_parameters()
-    weight_bytes = parameters * DTYPE_BYTES[dtype]
-    kv_bytes = config.kv_cache_bytes(slots, context, kv_dtype or dtype)
+    stored = Checkpoint(spec.path, config).dtype if spec.path is not None else config.dtype
     return {
         "target": spec.name,
         "hf_repo": PRESETS[spec.name][0] if spec.name in PRESETS else None,
@@ -39,19 +34,12 @@ def describe_target(spec: TargetSpec, slots: int, context: int, kv_dtype: str | 
             "max_position_embeddings": config.max_position_embeddings,
         },
         "vocab_size": config.vocab_size,
-        "parameters": parameters,
-        "dtype": dtype,
-        "memory": {"slots": slots, "context": context, "weights_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
-                   "total_bytes": weight_bytes + kv_bytes},
+        "parameters": config.num_parameters(),
+        "dtype": stored,
+        "memory": {"dtype": dtype, "weights": weights, "slots": size.slots, "context": size.max_context,
+                   "weights_bytes": size.weight_bytes, "kv_cache_bytes": size.kv_bytes, "total_bytes": size.total_bytes,
+                   "line": size.line()},
     }
-
-
-def human_bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_count(count: int) -> str:
@@ -71,7 +59,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("embeddings", f"{embeddings}, vocabulary {report['vocab_size']}"),
         ("parameters", human_count(report["parameters"])),
         ("dtype", report["dtype"]),
-        ("memory", f"weights {human_bytes(memory['weights_bytes'])} + KV cache {memory['slots']} slot(s) x "
-                   f"{memory['context']} tokens {human_bytes(memory['kv_cache_bytes'])} = {human_bytes(memory['total_bytes'])}"),
+        ("engine", f"{memory['dtype']} activations, {memory['weights']} weights"),
+        ("memory", memory["line"]),
     ]
     return "\n".join(f"{name:<13}{value}" for name, value in rows)

@@ -22,11 +22,13 @@ class GraphBuilder:
         return f"{self.prefix}{hint}_{self._count}"
 
     def op(self, op_type: str, *inputs: str, name: str | None = None, outputs: int = 1, domain: str = "",
-           **attributes: Any) -> str | list[str]:
-        """Append a node; returns its output name (or names when `outputs` > 1). `name` fixes the output name."""
-        names = [name] if name and outputs == 1 else [self.name(op_type.lower()) for _ in range(outputs)]
+           names: list[str] | None = None, **attributes: Any) -> str | list[str]:
+        """Append a node; returns its output name, or its names when it has several. `name` fixes the name of a
+        single output, `names` those of several."""
+        if names is None:
+            names = [name] if name and outputs == 1 else [self.name(op_type.lower()) for _ in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain or None, **attributes))
-        return names[0] if outputs == 1 else names
+        return names[0] if len(names) == 1 else names
 
     def const(self, value: Any, dtype: type = np.int64, name: str | None = None) -> str:
         """A Constant node holding `value` (a scalar stays a scalar)."""

@@ -19,6 +19,7 @@ import numpy as np
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, Manifest
 from dspark_runtime.errors import DSparkError, MissingDependencyError
 from dspark_runtime.graph_io import GraphIO
+from dspark_runtime.kv_cache import KVCache
 
 ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
 
@@ -30,8 +31,9 @@ def available_providers() -> list[str]:
 
 
 class OrtGraph:
-    """One ONNX graph in an InferenceSession, checked against its contract; `run(feeds)` takes exactly the
-    graph's inputs and returns every output by name."""
+    """One ONNX graph in an InferenceSession, checked against its contract, with its KV caches bound once (for an
+    in-place graph as both its past inputs and present outputs). `run(feeds)` takes exactly the graph's other
+    inputs and returns its other outputs by name."""
 
     def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None):
         import onnxruntime as ort
@@ -42,20 +44,36 @@ class OrtGraph:
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")
         options.add_session_config_entry("session.force_spinning_stop", "1")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        providers = providers or ["CPUExecutionProvider"]
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise DSparkError(f"onnxruntime cannot load {path.name}: {exc}") from None
         check_contract(self.session, io, path)
         self.io = io
-        self.inputs = set(io.input_names)
-        self.output_names = list(io.output_names)
+        self.cache = KVCache(io, "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu")
+        self.inputs = {name for name in io.input_names if name not in self.cache.values}
+        self.binding = self.session.io_binding()
+        for name, value in self.cache.values.items():
+            self.binding.bind_ortvalue_input(name, value)
+            if io.in_place:
+                self.binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), value)
+        self.output_names = [name for name in io.output_names if not name.startswith("present_")]
+        first = len(self.cache.values) if io.in_place else 0  # bound outputs come back in the order they were bound
+        self.output_slice = slice(first, first + len(self.output_names))
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if feeds.keys() != self.inputs:
             missing, unknown = sorted(self.inputs - feeds.keys()), sorted(feeds.keys() - self.inputs)
             raise DSparkError(f"the {self.io.graph} graph was fed wrong inputs (missing {missing}, unknown {unknown})")
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        binding = self.binding
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name in self.output_names:  # rebound every run: their shapes change with the batch
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        values = binding.get_outputs()[self.output_slice]
+        return {name: value.numpy() for name, value in zip(self.output_names, values)}
 
 
 def check_contract(session, io: GraphIO, path: Path) -> None:

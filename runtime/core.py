@@ -16,15 +16,15 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from dspark_calibration.sts import prefix_survival
+from dspark_runtime.backend import OrtGraph
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.engine_dir import Manifest
-from dspark_runtime.kv_cache import KVCache, SlotPool
+from dspark_runtime.kv_cache import SlotPool
 from dspark_runtime.sampling import target_rows
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
-Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 TextSink = Callable[[Sequence, list[int]], bool]  # visible tokens -> whether a stop string appeared
 Result = TypeVar("Result")
 
@@ -44,16 +44,11 @@ class _Row:
 class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
-    def __init__(self, manifest: Manifest, run_target: Runner, run_drafter: Runner | None, text: TextSink,
+    def __init__(self, manifest: Manifest, target: OrtGraph, drafter: OrtGraph | None, text: TextSink,
                  curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
         self.manifest = manifest
-        self.run_target, self.run_drafter, self.text = run_target, run_drafter, text
-        self.target_io = manifest.target_io()
-        self.target_cache = KVCache(self.target_io)
-        self.gamma = manifest.gamma if run_drafter else 0
-        if self.gamma:
-            self.drafter_io = manifest.drafter_io()
-            self.drafter_cache = KVCache(self.drafter_io)
+        self.target, self.drafter, self.text = target, drafter, text
+        self.gamma = manifest.gamma if drafter else 0
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -110,8 +105,9 @@ class EngineCore:
             return
         lengths = self._timed("schedule", self._schedule, [s for s in self.active if s.decoding])
         rows, batch = self._target_batch(lengths)
-        outputs = self._timed("target", self.run_target, batch.feeds(self.target_io) | self.target_cache.feeds())
-        self.target_cache.write(batch.slot, batch.pos, outputs)
+        outputs = self._timed("target", self.target.run, batch.feeds(self.target.io))
+        if not self.target.io.in_place:
+            self.target.cache.write(batch.slot, batch.pos, outputs)
         for row in rows:
             self._advance(row, outputs)
         self._draft(self._gated([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None]))
@@ -178,8 +174,11 @@ class EngineCore:
             ids += tokens
             slots += [s.slot] * len(tokens)
             positions += range(s.target_len, s.target_len + len(tokens))
+        # a slot's new tokens are padded to the step's longest in a cache of cache_rows positions: a chunk may
+        # not run past the end of the fullest slot's rows (decoding rows always fit: cache_rows leaves γ + 1)
+        longest = self.manifest.cache_rows - max(s.target_len for s in self.active)
         for s in prefilling:
-            room = budget - len(ids)
+            room = min(budget - len(ids), longest)
             if room <= 0 and ids:
                 break
             chunk = s.prompt[s.prefilled : s.prefilled + max(room, 1)]
@@ -266,8 +265,9 @@ class EngineCore:
             features=np.concatenate(s.pending_features), next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
             temperature=s.params.temperature, noise=s.rng.uniform(1e-12, 1.0, self.gamma).clip(1e-12, 1 - 1e-7),
         ) for s in sequences], cache_len)
-        outputs = self._timed("drafter", self.run_drafter, batch.feeds(self.drafter_io) | self.drafter_cache.feeds())
-        self.drafter_cache.write(batch.context_slot, batch.context_pos, outputs)
+        outputs = self._timed("drafter", self.drafter.run, batch.feeds(self.drafter.io))
+        if not self.drafter.io.in_place:
+            self.drafter.cache.write(batch.context_slot, batch.context_pos, outputs)
         for index, s in enumerate(sequences):
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]

@@ -76,7 +76,7 @@ class Engine:
     def __init__(self, folder: Path, manifest, tokenizer: ChatTokenizer, target, drafter):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
         curve, temperatures = _load_curve(folder), _load_calibration(folder)
-        self.core = EngineCore(manifest, target.run, drafter.run if drafter else None, self._text, curve, temperatures)
+        self.core = EngineCore(manifest, target, drafter, self._text, curve, temperatures)
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []

@@ -39,11 +39,14 @@ class Manifest:
     dtype: str
     backend: str  # "ort" | "trt"
     cache_slots: int  # S: concurrent requests
-    max_context: int  # Lmax: tokens per slot
+    max_context: int  # tokens of context a request may use (prompt and output)
     max_batch_tokens: int  # most tokens in one target step
     vocab_size: int
     eos_token_ids: list[int]
     feature_layers: list[int]
+    weights: str = "fp32"  # the target's weight format: fp32 | fp16 | bf16 | int8 | int4
+    drafter_weights: str | None = None  # the drafter's
+    attention: str = "varlen"  # the target graph's attention: "varlen" (the portable op) or "gqa" (caches in place)
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
     sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter")
     format_version: int = FORMAT_VERSION
@@ -53,10 +56,17 @@ class Manifest:
         """γ: draft tokens per round (0 for a target-only engine)."""
         return int(self.drafter["gamma"]) if self.drafter else 0
 
+    @property
+    def cache_rows(self) -> int:
+        """Positions each cache slot holds: the context, and room for one step's drafts beyond its end (an in-place
+        graph pads every slot's new tokens to the step's longest)."""
+        return self.max_context + self.gamma + 1
+
     def target_io(self) -> GraphIO:
         t = self.target
         return target_io(t["num_hidden_layers"], t["num_key_value_heads"], t["head_dim"], self.vocab_size,
-                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.cache_slots, self.max_context)
+                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.attention == "gqa",
+                         self.cache_slots, self.cache_rows)
 
     def drafter_io(self) -> GraphIO | None:
         if not self.drafter:
@@ -64,7 +74,7 @@ class Manifest:
         t, d = self.target, self.drafter
         return drafter_io(d["drafter_type"], d["num_layers"], t["num_key_value_heads"], t["head_dim"],
                           t["hidden_size"] * len(self.feature_layers), self.gamma, bool(d["confidence"]),
-                          self.cache_slots, self.max_context)
+                          self.cache_slots, self.cache_rows)
 
 
 def file_digest(path: Path) -> str:

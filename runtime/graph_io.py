@@ -44,6 +44,13 @@ TARGET_IO = (
     _ports(("logits", "float32", "N V"), ("new_key_{layer}", ACTIVATION, "T Hkv D"),
            ("new_value_{layer}", ACTIVATION, "T Hkv D"), ("features", "float32", "T F")),
 )
+# the ONNX Runtime lowering: the graph appends each step's K/V to its caches in place (past and present share
+# one buffer), so they are outputs of the cache's shape instead of per-token rows
+TARGET_IN_PLACE_IO = (
+    TARGET_IO[0],
+    _ports(("logits", "float32", "N V"), ("present_key_{layer}", ACTIVATION, "S Hkv Lmax D"),
+           ("present_value_{layer}", ACTIVATION, "S Hkv Lmax D"), ("features", "float32", "T F")),
+)
 _DRAFT_OUTPUTS = _ports(("draft_tokens", "int64", "R G"), ("draft_probs", "float32", "R G P"),
                         ("confidence_logits", "float32", "R G"), ("new_key_{layer}", ACTIVATION, "C Hkv D"),
                         ("new_value_{layer}", ACTIVATION, "C Hkv D"))
@@ -101,8 +108,13 @@ class GraphIO:
         return next(t for t in self.inputs if t.name == name)
 
     def cache_names(self, kind: str) -> list[str]:
-        """The per-layer ports of one kind (`past_key`, `new_value`, ...), in layer order."""
+        """The per-layer ports of one kind (`past_key`, `new_value`, `present_key`, ...), in layer order."""
         return [t.name for t in self.inputs + self.outputs if t.name.rsplit("_", 1)[0] == kind]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the graph writes its caches itself (outputs `present_*`), else the runtime commits `new_*` rows."""
+        return any(t.name.startswith("present_") for t in self.outputs)
 
 
 def _resolve(graph: str, ports: tuple[tuple[Port, ...], tuple[Port, ...]], sizes: dict[str, int], layers: int,
@@ -121,20 +133,22 @@ def _resolve(graph: str, ports: tuple[tuple[Port, ...], tuple[Port, ...]], sizes
     return GraphIO(graph, expand(ports[0]), expand(ports[1]))
 
 
-def target_io(layers: int, kv_heads: int, head_dim: int, vocab: int, features: int, dtype: str,
-              slots: int | str = "S", max_context: int | str = "Lmax") -> GraphIO:
-    """The target graph's contract; `features` is the feature width (0: no `features` output)."""
-    sizes = {"S": slots, "Lmax": max_context, "Hkv": kv_heads, "D": head_dim, "V": vocab, "F": features}
+def target_io(layers: int, kv_heads: int, head_dim: int, vocab: int, features: int, dtype: str, in_place: bool = False,
+              slots: int | str = "S", cache_rows: int | str = "Lmax") -> GraphIO:
+    """The target graph's contract; `features` is the feature width (0: no `features` output); `in_place`: the
+    graph updates its caches itself."""
+    sizes = {"S": slots, "Lmax": cache_rows, "Hkv": kv_heads, "D": head_dim, "V": vocab, "F": features}
     if dtype not in ACTIVATION_DTYPES:
         raise DSparkError(f"unknown activation dtype {dtype!r} (choose from {', '.join(ACTIVATION_DTYPES)})")
-    return _resolve("target", TARGET_IO, sizes, layers, dtype, set() if features else {"features"})
+    ports = TARGET_IN_PLACE_IO if in_place else TARGET_IO
+    return _resolve("target", ports, sizes, layers, dtype, set() if features else {"features"})
 
 
 def drafter_io(drafter_type: str, layers: int, kv_heads: int, head_dim: int, features: int, gamma: int,
-               confidence: bool, slots: int | str = "S", max_context: int | str = "Lmax") -> GraphIO:
+               confidence: bool, slots: int | str = "S", cache_rows: int | str = "Lmax") -> GraphIO:
     """A drafter graph's contract (float32 activations)."""
     if drafter_type not in DRAFTER_IO:
         raise DSparkError(f"unknown drafter type {drafter_type!r} (known: {', '.join(DRAFTER_TYPES)})")
-    sizes = {"S": slots, "Lmax": max_context, "Hkv": kv_heads, "D": head_dim, "F": features, "G": gamma}
+    sizes = {"S": slots, "Lmax": cache_rows, "Hkv": kv_heads, "D": head_dim, "F": features, "G": gamma}
     skip = set() if confidence else {"confidence_logits"}
     return _resolve(f"drafter ({drafter_type})", DRAFTER_IO[drafter_type], sizes, layers, "float32", skip)

@@ -39,18 +39,18 @@ def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.nd
     cache_len[:requests] = context
     batch = TargetBatch(np.full(tokens, 5), np.concatenate([context + np.arange(n) for n in per_request]),
                         np.repeat(np.arange(requests), per_request), cache_len, np.arange(tokens))
-    return batch.feeds(core.target_io) | core.target_cache.feeds()
+    return batch.feeds(core.target.io)
 
 
 def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> dict[str, np.ndarray]:
     """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
-    width = core.drafter_io.input("context_features").shape[1]
+    width = core.drafter.io.input("context_features").shape[1]
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
     batch = DraftBatch([DraftRequest(slot=slot, anchor=5, anchor_pos=context + new_context, context_start=context,
                                      features=np.zeros((new_context, width), np.float32), next_tokens=[5] * new_context,
                                      temperature=1.0, noise=np.full(core.gamma, 0.5)) for slot in range(requests)], cache_len)
-    return batch.feeds(core.drafter_io) | core.drafter_cache.feeds()
+    return batch.feeds(core.drafter.io)
 
 
 def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7,
@@ -60,18 +60,18 @@ def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7
     context = min(context, manifest.max_context - manifest.max_batch_tokens - core.gamma - 1)
     context = max(context, 0)
     sizes = target_sizes(manifest.max_batch_tokens)
-    measured = cost_table(sizes, lambda b: lambda: core.run_target(target_feeds(core, b, context)), repeats,
+    measured = cost_table(sizes, lambda b: lambda: core.target.run(target_feeds(core, b, context)), repeats,
                           progress and (lambda n: progress("target", n)))
     target = np.interp(np.arange(1, manifest.max_batch_tokens + 1), sizes, measured)
     draft, per_row = np.zeros(manifest.cache_slots), 0.0
     if core.gamma:
         draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: core.run_drafter(drafter_feeds(core, r, context)), repeats,
+                           lambda r: lambda: core.drafter.run(drafter_feeds(core, r, context)), repeats,
                            progress and (lambda n: progress("drafter", n)))
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
         feeds = drafter_feeds(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
-        long = median_seconds(lambda: core.run_drafter(feeds), repeats)
+        long = median_seconds(lambda: core.drafter.run(feeds), repeats)
         per_row = max(0.0, float(long - draft[requests - 1]) / (extra * requests))
     curve = {"target_seconds": [round(float(t), 7) for t in target], "draft_seconds": [round(float(t), 7) for t in draft],
              "draft_seconds_per_context_row": round(per_row, 9),

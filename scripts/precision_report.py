@@ -23,11 +23,10 @@ def run_graph(engine: Path, ids: list[int]) -> np.ndarray:
     from dspark_runtime.backend import open_graphs
     from dspark_runtime.batches import TargetBatch
     from dspark_runtime.engine_dir import read_manifest
-    from dspark_runtime.kv_cache import KVCache
 
     graph, _ = open_graphs(engine, read_manifest(engine), "ort")
     batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids)), np.zeros(1), np.arange(len(ids)))
-    return graph.run(batch.feeds(graph.io) | KVCache(graph.io).feeds())["logits"]
+    return graph.run(batch.feeds(graph.io))["logits"]
 
 
 def main() -> None:

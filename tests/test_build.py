@@ -133,7 +133,7 @@ def test_tensorrt_profiles_cover_every_graph_input(tmp_path, target):
     model = onnx.load(str(tmp_path / "engine" / "target.onnx"), load_external_data=False)
     assert set(target_shapes) == {value.name for value in model.graph.input}
     assert target_shapes["input_ids"] == ((1,), (16,), (64,))
-    assert target_shapes["past_key_0"] == ((4, 1, 96, 16),) * 3  # fixed cache: S, Hkv, Lmax, D
+    assert target_shapes["past_key_0"] == ((4, 1, 100, 16),) * 3  # fixed cache: S, Hkv, context + γ + 1, D
     drafter_shapes = profile_shapes(manifest.drafter_io(), ranges)
     assert drafter_shapes["noise"] == ((1, 3), (4, 3), (4, 3)) and drafter_shapes["context_features"][2][0] == 64
     with pytest.raises(Exception, match="dimension 'T'"):
@@ -145,3 +145,18 @@ def test_tensorrt_backend_without_tensorrt_names_the_extra(tmp_path, target):
     result = build("--target-path", str(target), "--out", str(tmp_path / "engine"), "--backend", "trt")
     assert result.exit_code != 0 and "pip install 'dspark[trt]'" in result.output and "GPU" in result.output
     assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_inspect_and_build_size_an_engine_alike(tmp_path, target, weights):
+    """The context a KV budget holds and the weights' size: what `inspect` predicts is what `build` writes."""
+    import json
+
+    options = ["--target-path", str(target), "--weights", weights, "--quant-block-size", "16", "--kv-memory", "96KiB"]
+    report = json.loads(CliRunner().invoke(main, ["inspect", *options, "--json"]).output)["memory"]
+    assert build(*options, "--out", str(tmp_path / "e")).exit_code == 0
+    manifest = read_manifest(tmp_path / "e")
+    # 96 KiB / (8 slots x 2 x 3 layers x 16 dims x 4 bytes) = 32 rows, less one for a step
+    assert manifest.max_context == report["context"] == 31 and manifest.weights == weights
+    written = (tmp_path / "e" / "target.onnx.data").stat().st_size
+    assert abs(written - report["weights_bytes"]) / written < 0.05

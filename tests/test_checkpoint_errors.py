@@ -114,7 +114,7 @@ def test_unsupported_architecture(tmp_path, change, message):
 
 def test_inspect_reports_a_real_checkpoint(tmp_path):
     folder = write_hf_checkpoint(tmp_path / "tiny", tie_word_embeddings=True)
-    code, output = run_cli("inspect", "--target-path", str(folder), "--slots", "2", "--context", "100", "--json")
+    code, output = run_cli("inspect", "--target-path", str(folder), "--cache-slots", "2", "--max-context", "100", "--json")
     assert code == 0, output
     report = json.loads(output)
     config = Qwen3Config.from_dir(folder)
@@ -122,15 +122,16 @@ def test_inspect_reports_a_real_checkpoint(tmp_path):
 
     assert report["parameters"] == sum(p.numel() for p in Qwen3Model(config).parameters())
     assert report["dtype"] == "float32"
-    # 2 (K and V) x 3 layers x 1 KV head x 16 dims x 100 tokens x 2 slots x 4 bytes
-    assert report["memory"]["kv_cache_bytes"] == 2 * 3 * 1 * 16 * 100 * 2 * 4
+    # 2 (K and V) x 3 layers x 1 KV head x 16 dims x (100 tokens + 1 row for a step) x 2 slots x 4 bytes (float32)
+    assert report["memory"]["kv_cache_bytes"] == 2 * 3 * 1 * 16 * 101 * 2 * 4
 
 
 def test_qwen3_8b_preset_numbers():
-    code, output = run_cli("inspect", "--target", "qwen3-8b", "--slots", "1", "--context", "4096", "--json")
+    code, output = run_cli("inspect", "--target", "qwen3-8b", "--cache-slots", "1", "--max-context", "4096", "--dtype",
+                           "bfloat16", "--json")
     report = json.loads(output)
     assert round(report["parameters"] / 1e9, 2) == 8.19  # Qwen3-8B: 8.2B parameters
-    assert report["memory"]["kv_cache_bytes"] == 36 * 8 * 128 * 2 * 2 * 4096
+    assert report["memory"]["kv_cache_bytes"] == 36 * 8 * 128 * 2 * 2 * 4097
 
 
 def test_copied_checkpoint_with_name_and_path_must_agree(tmp_path):

@@ -18,6 +18,7 @@ from dspark_export.drafters.checkpoint import attach_target, build_drafter, save
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
 from dspark_export.graphs.drafter import build_drafter_onnx  # noqa: E402
+from dspark_export.graphs.weights import WeightFormat  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 SLOTS, LMAX, GAMMA = 3, 40, 4
@@ -30,7 +31,7 @@ def make_drafter(tmp_path, kind, head):
     target = Qwen3Model.from_checkpoint(checkpoint, "float32")
     drafter_config = DrafterConfig(
         drafter_type=kind, target=config.architecture_fields() | {"dtype": "float32"}, vocab_hash="x", mask_token_id=3,
-        num_layers=1 if kind == "eagle3" else 2, gamma=GAMMA, feature_layers=(1, 2), head=head, markov_rank=8,
+        num_layers=1 if kind == "eagle3" else 2, gamma=GAMMA, feature_layers=(1, 2), head=head, markov_rank=16,
         confidence=kind == "dspark")
     torch.manual_seed(0)
     drafter = build_drafter(drafter_config)
@@ -106,12 +107,13 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     make_drafter(tmp_path, "dspark", "markov")
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
+    formats = {False: WeightFormat("fp32"), True: WeightFormat("int8", block_size=16)}
     graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx",
-                                       "int8" if int8 else "float", greedy_shortcut=int8) for int8 in (False, True)}
+                                       formats[int8], greedy_shortcut=int8) for int8 in (False, True)}
     quantized = onnx.load(str(graphs[True]), load_external_data=False)
     assert not any(node.op_type == "Gemm" for node in quantized.graph.node)  # every projection is int8
     (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
-    products = {branch.name: sum(node.op_type == "MatMulInteger" for node in branch.g.node) for branch in chain.attribute}
+    products = {branch.name: sum(node.op_type == "MatMulNBits" for node in branch.g.node) for branch in chain.attribute}
     assert products == {"then_branch": GAMMA, "else_branch": 0}  # one Markov product per sampled step; greedy: candidates
     onnx.checker.check_model(str(graphs[True]), full_check=True)
     config = checkpoint.config

@@ -34,7 +34,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     is_anchor = b.const((np.arange(gamma) == 0)[None, :], np.bool_)
     block_ids = b.op("Reshape", b.op("Where", is_anchor, b.op("Unsqueeze", "anchor_ids", b.const([1])),
                                      b.const(config.mask_token_id)), b.const([-1]))
-    x = b.op("Gather", ops.weights("embed_tokens.weight"), block_ids)  # [R·γ, H]
+    x = ops.weights.embedding(b, block_ids, "embed_tokens.weight")  # [R·γ, H]
     context = ops.rms_norm(ops.linear("context_features", "fc.weight"), "hidden_norm.weight")  # [C, H]
     all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
     cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)

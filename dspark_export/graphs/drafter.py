@@ -19,7 +19,7 @@ from dspark_export.graphs.decoder import DecoderOps
 from dspark_export.graphs.eagle3_body import eagle3_body
 from dspark_export.graphs.model_file import write_model
 from dspark_export.graphs.sampler import Sampler
-from dspark_export.graphs.weights import ExternalData, Reader, Weights
+from dspark_export.graphs.weights import ExternalData, Reader, WeightFormat, Weights
 from dspark_plugins.builder import GraphBuilder
 from dspark_runtime.graph_io import drafter_io
 
@@ -28,15 +28,14 @@ BODIES: dict[str, Callable[..., None]] = {"dspark": block_body, "dflash": block_
 
 
 def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: str | Path,
-                       weight_format: str = "float", greedy_shortcut: bool = False) -> Path:
+                       weights: WeightFormat = WeightFormat(), greedy_shortcut: bool = False) -> Path:
     """Write the drafter graph (float32 activations) and its external data; returns the graph path.
 
-    `weight_format` "int8" stores every projection (the layers', the LM head, the Markov output) as int8 with
-    a float32 scale per output: 4x less weight traffic per draft (drafter call at one request 1.98 -> 1.55 ms
-    on the demo; τ unchanged). Drafts change slightly, losslessness does not (the distribution a draft was
-    drawn from is what the graph returns). `greedy_shortcut` lets all-greedy calls skip the distributions
-    and score the sequential head on candidates only (see `Sampler`); TensorRT's conditionals do not allow
-    it, ONNX Runtime does.
+    Quantized `weights` (int8, int4) store every projection (the layers', the LM head, the Markov output)
+    block-quantized: less weight traffic per draft. Drafts change slightly, losslessness does not (the
+    distribution a draft was drawn from is what the graph returns). `greedy_shortcut` lets all-greedy calls
+    skip the distributions and score the sequential head on candidates only (see `Sampler`); TensorRT's
+    conditionals do not allow it, ONNX Runtime does.
     """
     config = DrafterConfig.from_dir(drafter_dir)
     config.check_target(target.config, None)
@@ -46,13 +45,13 @@ def build_drafter_onnx(drafter_dir: str | Path, target: Checkpoint, graph_file: 
     io = drafter_io(config.drafter_type, config.num_layers, t.num_key_value_heads, t.head_dim,
                     t.hidden_size * len(config.feature_layers), config.gamma, config.confidence)
     store = ExternalData(graph_file)
-    weights = Weights(drafter_reader(Path(drafter_dir), target), store, "float32", weight_format)
+    stream = Weights(drafter_reader(Path(drafter_dir), target), store, "float32", weights, strict=False)
     b = GraphBuilder()
-    ops = DecoderOps(b, weights, t.rms_norm_eps, TensorProto.FLOAT, t.head_dim)
+    ops = DecoderOps(b, stream, t.rms_norm_eps, TensorProto.FLOAT, t.head_dim)
     BODIES[config.drafter_type](b, ops, config, Sampler(b, t.vocab_size, greedy_shortcut), io)
     store.close()
-    metadata = {"drafter_config": config.to_json(), "weights": weight_format, "greedy_shortcut": str(int(greedy_shortcut))}
-    return write_model(graph_file, b, io, list(weights.initializers.values()), "drafter", metadata)
+    metadata = {"drafter_config": config.to_json(), "weights": weights.name, "greedy_shortcut": str(int(greedy_shortcut))}
+    return write_model(graph_file, b, io, list(stream.initializers.values()), "drafter", metadata)
 
 
 def drafter_reader(drafter_dir: Path, target: Checkpoint) -> Reader:

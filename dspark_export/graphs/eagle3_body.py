@@ -30,7 +30,7 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
     def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
-        x = b.op("Concat", ops.rms_norm(b.op("Gather", ops.weights("embed_tokens.weight"), token_ids), "embed_norm.weight"),
+        x = b.op("Concat", ops.rms_norm(ops.weights.embedding(b, token_ids, "embed_tokens.weight"), "embed_norm.weight"),
                  ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
         cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
         q = ops.projected_heads(x, "q_proj.weight", "q_norm.weight", q_shape, cos, sin)

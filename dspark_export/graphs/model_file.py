@@ -14,6 +14,8 @@ from dspark_plugins.onnx_function import opset_imports, varlen_attention_functio
 from dspark_runtime.engine_dir import FORMAT_VERSION
 from dspark_runtime.graph_io import GraphIO, Tensor
 
+ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's fused kernels (MatMulNBits, GroupQueryAttention, ...)
+
 
 def value_infos(tensors: tuple[Tensor, ...]) -> list[ValueInfoProto]:
     return [helper.make_tensor_value_info(t.name, ONNX_DTYPES[t.dtype], list(t.shape)) for t in tensors]
@@ -24,8 +26,8 @@ def write_model(graph_file: Path, b: GraphBuilder, io: GraphIO, initializers: li
     """Save the nodes of `b` as graph `kind` ("target" or "drafter") with the contract's inputs and outputs."""
     graph = helper.make_graph(b.nodes, f"dspark_{kind}", value_infos(io.inputs), value_infos(io.outputs),
                               initializer=initializers)
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[varlen_attention_function()],
-                              producer_name="dspark-export")
+    model = helper.make_model(graph, opset_imports=opset_imports() + [helper.make_opsetid(ORT_DOMAIN, 1)],
+                              functions=[varlen_attention_function()], producer_name="dspark-export")
     helper.set_model_props(model, {"dspark_graph": kind, "dspark_format": str(FORMAT_VERSION)} | metadata)
     onnx.save_model(model, str(graph_file))
     return graph_file

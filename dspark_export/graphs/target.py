@@ -1,11 +1,19 @@
 """Build `target.onnx` straight from a Qwen3 checkpoint (onnx + numpy only, no torch).
 
 One step over a flattened token batch: prefill chunks and verification of several requests mixed. Its
-inputs and outputs are the contract's (`dspark_runtime.graph_io.TARGET_IO`): the new K/V of every token
-come out for the runtime to commit at (slot, pos), the logits only for the rows asked for, and the tapped
-layers' outputs (`features`) when feature layers are given. Attention is the `DSparkVarlenAttention` op;
-projections go through `Weights.linear` on the checkpoint's own [out, in] weights (a tied LM head reuses
-the embedding table).
+inputs and outputs are the contract's (`dspark_runtime.graph_io`). Two lowerings of the same model:
+
+- `portable` (TensorRT): attention is the `DSparkVarlenAttention` op, which TensorRT maps to its plugin; the
+  new K/V of every token come out for the runtime to commit at (slot, pos);
+- `ort` (ONNX Runtime, CPU or CUDA): ONNX Runtime's fused kernels. Attention is `GroupQueryAttention` over
+  the requests padded per cache slot (right-padded chunks, `query_seqlens`), with the rotary embedding in
+  the kernel and the KV cache as a past/present buffer the kernel appends to in place; every norm after the
+  first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k and v are one projection,
+  and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape, the attention falls
+  back to the portable op (`attention_for`) with the rest unchanged.
+
+Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
+`Weights.embedding`; a tied LM head shares the embedding's tensor (and its codes when quantized).
 """
 
 from __future__ import annotations
@@ -14,56 +22,169 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import Checkpoint
+from dspark_export.config import Qwen3Config
 from dspark_export.graphs.decoder import DecoderOps, rope_tables
 from dspark_export.graphs.model_file import write_model
-from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, Weights
+from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, WeightFormat, Weights
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
 from dspark_runtime.graph_io import target_io
 
+LOWERINGS = ("portable", "ort")
+
+
+def attention_for(config: Qwen3Config, lowering: str) -> str:
+    """"gqa" (ONNX Runtime's GroupQueryAttention) where the `ort` lowering can use it, else "varlen"."""
+    return "gqa" if lowering == "ort" and config.head_dim % 8 == 0 and config.head_dim <= 256 else "varlen"
+
 
 def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str = "float32",
-                      feature_layers: Sequence[int] = (), progress: Callable[[int], None] | None = None) -> Path:
-    """Write `graph_file` and its `.data` beside it; returns the graph path. `progress(n)` counts tensors."""
+                      feature_layers: Sequence[int] = (), weights: WeightFormat = WeightFormat(),
+                      lowering: str = "portable", cache_rows: int | None = None,
+                      progress: Callable[[int], None] | None = None) -> Path:
+    """Write `graph_file` and its `.data` beside it; returns the graph path. `cache_rows` (positions per cache
+    slot, `ort` lowering) sizes the rotary tables; `progress(n)` counts tensors."""
     config = checkpoint.config
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
+    attention = attention_for(config, lowering)
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
-                   config.hidden_size * len(feature_layers), dtype)
-    onnx_dtype = ONNX_DTYPES[dtype]
+                   config.hidden_size * len(feature_layers), dtype, in_place=attention == "gqa")
     store = ExternalData(graph_file)
-    weights = Weights(checkpoint.raw, store, dtype, progress=progress)
+    stream = Weights(checkpoint.raw, store, dtype, weights, progress)
     b = GraphBuilder()
-    ops = DecoderOps(b, weights, config.rms_norm_eps, onnx_dtype, config.head_dim)
-    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    x = b.op("Gather", weights("model.embed_tokens.weight"), "input_ids")
-    cos, sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, onnx_dtype)
-    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
-    past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
-    new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
+    ops = DecoderOps(b, stream, config.rms_norm_eps, ONNX_DTYPES[dtype], config.head_dim)
+    layers = TargetLayers(b, ops, config, io, lowering, attention, cache_rows or config.max_position_embeddings)
+    x = stream.embedding(b, "input_ids", "model.embed_tokens.weight")
+    h = ops.rms_norm(x, "model.layers.0.input_layernorm.weight")
     taps = []
     for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        h = ops.rms_norm(x, p + "input_layernorm.weight")
-        q = ops.projected_heads(h, p + "self_attn.q_proj.weight", p + "self_attn.q_norm.weight", q_shape, cos, sin)
-        k = ops.projected_heads(h, p + "self_attn.k_proj.weight", p + "self_attn.k_norm.weight", kv_shape, cos, sin)
-        v = b.op("Reshape", ops.linear(h, p + "self_attn.v_proj.weight"), kv_shape)
-        new_k, new_v = b.op("Identity", k, name=new_keys[layer]), b.op("Identity", v, name=new_values[layer])
-        attended = f"attention_{layer}"
-        b.nodes.append(varlen_attention_node([q, new_k, new_v, past_keys[layer], past_values[layer], "slot", "pos",
-                                              "cache_len"], attended, d, name=f"attention_node_{layer}"))
-        x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), p + "self_attn.o_proj.weight"))
-        h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
-        x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
+        h, x = layers.layer(layer, h, x)
         if layer in feature_layers:
             taps.append(x)
-    last = ops.rms_norm(b.op("Gather", x, "logit_index", axis=0), "model.norm.weight")
+    last = b.op("Gather", h, "logit_index", axis=0)  # h is normed by model.norm after the last layer
     b.op("Cast", ops.linear(last, checkpoint.lm_head_name()), to=TensorProto.FLOAT, name="logits")
     if taps:
         b.op("Cast", b.op("Concat", *taps, axis=-1) if len(taps) > 1 else taps[0], to=TensorProto.FLOAT, name="features")
     store.close()
-    metadata = {"dtype": dtype, "feature_layers": json.dumps(list(feature_layers)), "config": json.dumps(config.to_hf_dict())}
-    return write_model(graph_file, b, io, list(weights.initializers.values()), "target", metadata)
+    metadata = {"dtype": dtype, "weights": weights.name, "lowering": lowering, "attention": attention,
+                "feature_layers": json.dumps(list(feature_layers)), "config": json.dumps(config.to_hf_dict())}
+    return write_model(graph_file, b, io, list(stream.initializers.values()), "target", metadata)
+
+
+class TargetLayers:
+    """Qwen3 decoder layers in one lowering; `layer(i, h, x)` takes the layer's normed input and the residual
+    stream and returns the next layer's normed input (model.norm's after the last) and the new residual."""
+
+    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: Qwen3Config, io, lowering: str, attention: str,
+                 cache_rows: int):
+        self.b, self.ops, self.config, self.lowering, self.attention = b, ops, config, lowering, attention
+        self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
+        self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention == "gqa" else \
+            (io.cache_names("new_key"), io.cache_names("new_value"))
+        hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.widths = [hq * d, hkv * d, hkv * d]
+        self.q_shape, self.kv_shape, self.flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+        if attention == "gqa":
+            self.pad = SlotPadding(b)
+            positions = np.arange(cache_rows, dtype=np.float64)[:, None]
+            inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d) / config.rope_factor
+            angles = positions * inv_freq[None]
+            np_dtype = np.float16 if ops.dtype == TensorProto.FLOAT16 else np.float32
+            self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)
+        else:
+            self.cos, self.sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, ops.dtype)
+
+    def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
+        b, ops, p = self.b, self.ops, f"model.layers.{layer}."
+        attended = self._attention(layer, h, p + "self_attn.")
+        h, x = self._add_norm(x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight")
+        last = layer == self.config.num_hidden_layers - 1
+        next_norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
+        return self._add_norm(x, self._mlp(h, p + "mlp."), next_norm)
+
+    def _add_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
+        """(RMSNorm(x + delta) · weight, x + delta)."""
+        b, ops = self.b, self.ops
+        if self.lowering == "ort":
+            normed, _, _, total = b.op("SkipSimplifiedLayerNormalization", delta, x, ops.weights(weight), outputs=4,
+                                       domain="com.microsoft", epsilon=ops.eps)
+            return normed, total
+        total = b.op("Add", x, delta)
+        return ops.rms_norm(total, weight), total
+
+    def _mlp(self, h: str, prefix: str) -> str:
+        b, ops = self.b, self.ops
+        if self.lowering == "portable":
+            return ops.swiglu(h, prefix)
+        gate, up = b.op("Split", ops.weights.linear(b, h, [prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
+                        b.const([self.config.intermediate_size] * 2), axis=-1, outputs=2)
+        return ops.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up), prefix + "down_proj.weight")
+
+    def _attention(self, layer: int, h: str, prefix: str) -> str:
+        """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
+        b, ops = self.b, self.ops
+        names = [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
+        if self.lowering == "ort":
+            q, k, v = b.op("Split", ops.weights.linear(b, h, names), b.const(self.widths), axis=-1, outputs=3)
+        else:
+            q, k, v = (ops.linear(h, name) for name in names)
+        q = ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight")
+        k = ops.rms_norm(b.op("Reshape", k, self.kv_shape), prefix + "k_norm.weight")
+        keys, values = self.out[0][layer], self.out[1][layer]
+        if self.attention == "gqa":
+            packed = b.op("Concat", b.op("Reshape", q, self.flat_shape), b.op("Reshape", k, b.const([0, -1])), v, axis=-1)
+            c = self.config
+            out = b.op("GroupQueryAttention", self.pad.padded(packed), "", "", self.past[0][layer], self.past[1][layer],
+                       self.pad.seqlens_k, self.pad.total, self.cos, self.sin, "", "", "", "", "", "", "",
+                       self.pad.query_seqlens, names=[b.name("attention"), keys, values], domain="com.microsoft",
+                       num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, do_rotary=1,
+                       scale=float(c.head_dim ** -0.5))[0]
+            return self.pad.unpadded(out, self.widths[0])
+        q, k = ops.rope(q, self.cos, self.sin), ops.rope(k, self.cos, self.sin)
+        new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", b.op("Reshape", v, self.kv_shape), name=values)
+        attended = b.name("attention")
+        b.nodes.append(varlen_attention_node([q, new_k, new_v, self.past[0][layer], self.past[1][layer], "slot", "pos",
+                                              "cache_len"], attended, self.config.head_dim, name=f"attention_node_{layer}"))
+        return b.op("Reshape", attended, self.flat_shape)
+
+
+class SlotPadding:
+    """The flattened tokens laid out as GroupQueryAttention's batch: one row per cache slot, each slot's new
+    tokens right-padded to the step's longest (computed once per step from slot, pos and cache_len, which
+    every layer shares). A token's offset in its request is pos - cache_len (positions are contiguous)."""
+
+    def __init__(self, b: GraphBuilder):
+        self.b = b
+        zero, one = b.const(0), b.const(1)
+        slots = b.op("Shape", "cache_len")  # [1]: S
+        slot_ids = b.op("Range", zero, b.op("Squeeze", slots, b.const([0])), one)  # [S]
+        member = b.op("Cast", b.op("Equal", b.op("Unsqueeze", "slot", b.const([1])), slot_ids), to=TensorProto.INT64)
+        counts = b.op("ReduceSum", member, b.const([0]), keepdims=0)  # [S] new tokens per slot
+        longest = b.op("ReduceMax", counts, b.const([0]), keepdims=1)  # [1]
+        offset = b.op("Sub", "pos", b.op("Gather", "cache_len", "slot"))  # [T]
+        self.flat = b.op("Add", b.op("Mul", "slot", longest), offset)  # [T] row of each token in [S·n]
+        tokens = b.op("Shape", "slot")  # [1]: T
+        fill = b.op("Expand", tokens, b.op("Mul", slots, longest))  # [S·n], all T: the appended zero row
+        self.index = b.op("ScatterND", fill, b.op("Unsqueeze", self.flat, b.const([1])),
+                          b.op("Range", zero, b.op("Squeeze", tokens, b.const([0])), one))
+        self.shape = b.op("Concat", slots, longest, b.const([-1]), axis=0)  # [S, n, -1]
+        committed = b.op("Max", b.op("Sub", b.op("Add", "cache_len", counts), one), zero)  # an idle empty slot: 0
+        self.seqlens_k = b.op("Cast", committed, to=TensorProto.INT32)
+        self.query_seqlens = b.op("Cast", counts, to=TensorProto.INT32)
+        self.total = b.op("Cast", b.op("Add", b.op("ReduceMax", committed, keepdims=0), one), to=TensorProto.INT32)
+
+    def padded(self, x: str) -> str:
+        """[T, W] -> [S, n, W], zeros where a slot has fewer tokens."""
+        b = self.b
+        width = b.op("Shape", x, start=1)
+        zero_row = b.op("ConstantOfShape", b.op("Concat", b.const([1]), width, axis=0))
+        return b.op("Reshape", b.op("Gather", b.op("Concat", x, b.op("CastLike", zero_row, x), axis=0), self.index), self.shape)
+
+    def unpadded(self, y: str, width: int) -> str:
+        """[S, n, width] -> the T real rows [T, width]."""
+        return self.b.op("Gather", self.b.op("Reshape", y, self.b.const([-1, width])), self.flat)

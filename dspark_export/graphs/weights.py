@@ -1,24 +1,52 @@
-"""Weights into a graph: streamed one tensor at a time into an ONNX external-data file (an 8B checkpoint never
-sits whole in memory), and `Weights.linear`, the one place every projection of every graph is emitted, in
-the engine's weight format.
+"""Weights into a graph: streamed one tensor (or one slice of rows) at a time into an ONNX external-data file, so
+that peak build memory stays far below the checkpoint's size; and `Weights.linear` / `Weights.embedding`, the one
+place every projection and embedding of every graph is emitted, in the engine's weight format.
+
+Formats: `fp32`, `fp16`, `bf16` store the checkpoint's weights in that precision (the graph's activation dtype);
+`int8` and `int4` quantize them block-wise along the input axis (symmetric, one float scale per block of
+`block_size` weights, the block's largest-magnitude weight mapped to the most negative code so that every code
+is used) for ONNX Runtime's `MatMulNBits` and `GatherBlockQuantized`, whose `accuracy_level` 4 computes in int8
+on CPUs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
+from dspark_export.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
                "int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int64": TensorProto.INT64}
 ALIGN = 64
-WEIGHT_FORMATS = ("float", "int8")  # float: the graph's dtype; int8: per-output-channel int8, dynamically quantized input
+FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+WEIGHT_FORMATS = tuple(FLOAT_WEIGHTS) + tuple(QUANTIZED_BITS)
+CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str = "fp32"  # one of WEIGHT_FORMATS
+    block_size: int = 32  # weights per quantization block (int8, int4)
+    accuracy_level: int = 4  # MatMulNBits: 4 computes in int8 on CPUs, 0 dequantizes to float
+
+    def __post_init__(self) -> None:
+        if self.name not in WEIGHT_FORMATS:
+            raise ConfigError(f"unknown weight format {self.name!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--quant-block-size must be a power of two, at least 16 (got {self.block_size})")
+
+    @property
+    def bits(self) -> int | None:
+        return QUANTIZED_BITS.get(self.name)
 
 
 def convert(array: np.ndarray, stored: str, dtype: str) -> np.ndarray:
@@ -34,6 +62,24 @@ def convert(array: np.ndarray, stored: str, dtype: str) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def quantize_rows(rows: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [n, K] -> (codes [n, K / block_size, block_size * bits / 8] uint8, scales [n, K / block_size]).
+
+    Symmetric: w ≈ (code - 2^(bits-1)) · scale, where each block's scale maps its largest-magnitude weight
+    to -2^(bits-1) exactly. 4-bit codes pack two to a byte, the even element in the low nibble.
+    """
+    n, k = rows.shape
+    blocks = rows.reshape(n, k // block_size, block_size)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    half = 1 << (bits - 1)
+    scales = peak / -half
+    scales[scales == 0] = 1.0
+    codes = (np.clip(np.rint(blocks / scales[..., None]), -half, half - 1) + half).astype(np.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scales.astype(np.float32)
+
+
 class ExternalData:
     """Appends tensors to `{graph}.data` beside the graph file and builds the referencing TensorProtos."""
 
@@ -44,17 +90,23 @@ class ExternalData:
         self.offset = 0
 
     def add(self, name: str, array: np.ndarray, dtype: str) -> TensorProto:
+        return self.add_chunks(name, array.shape, dtype, [np.ascontiguousarray(array)])
+
+    def add_chunks(self, name: str, shape: Sequence[int], dtype: str, chunks: Iterator[np.ndarray] | list) -> TensorProto:
+        """A tensor written as consecutive chunks (its rows in order), never held whole."""
         padding = (-self.offset) % ALIGN
         self.handle.write(b"\0" * padding)
         self.offset += padding
-        data = array.tobytes()
-        self.handle.write(data)
-        tensor = TensorProto(name=name, data_type=ONNX_DTYPES[dtype], dims=array.shape)
+        start = self.offset
+        for chunk in chunks:
+            data = chunk.tobytes()
+            self.handle.write(data)
+            self.offset += len(data)
+        tensor = TensorProto(name=name, data_type=ONNX_DTYPES[dtype], dims=list(shape))
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(len(data)))):
+        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(self.offset - start))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        self.offset += len(data)
         return tensor
 
     def close(self) -> None:
@@ -63,40 +115,92 @@ class ExternalData:
 
 class Weights:
     """`weights(name)` streams a tensor into the external data on first use, in the graph's dtype, and returns
-    its initializer name; `linear` projects with a [out, in] weight in the weight format."""
+    its initializer name; `linear` and `embedding` use a [out, in] weight in the weight format.
 
-    def __init__(self, read: Reader, store: ExternalData, dtype: str, weight_format: str = "float",
-                 progress: Callable[[int], None] | None = None):
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"unknown weight format {weight_format!r}")
+    A weight whose input width the block size does not divide is an error (`strict`, the target's case: the
+    build checks the widths first) or stays in float (a drafter's small heads, e.g. a Markov rank below the
+    block size)."""
+
+    def __init__(self, read: Reader, store: ExternalData, dtype: str, weight_format: WeightFormat = WeightFormat(),
+                 progress: Callable[[int], None] | None = None, strict: bool = True):
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
+        self.strict = strict
         self.initializers: dict[str, TensorProto] = {}
 
+    def _quantizes(self, name: str) -> bool:
+        if self.format.bits is None:
+            return False
+        width = self.read(name)[0].shape[1]
+        if width % self.format.block_size == 0:
+            return True
+        if self.strict:
+            raise ConfigError(f"--quant-block-size {self.format.block_size} does not divide the input width {width} of {name}")
+        return False
+
     def _add(self, name: str, array: np.ndarray, dtype: str) -> str:
-        self.initializers[name] = self.store.add(name, np.ascontiguousarray(array), dtype)
+        self.initializers[name] = self.store.add(name, array, dtype)
         return name
+
+    def _done(self, count: int = 1) -> None:
+        if self.progress:
+            self.progress(count)
 
     def __call__(self, name: str) -> str:
         if name not in self.initializers:
             self._add(name, convert(*self.read(name), self.dtype), self.dtype)
-            if self.progress:
-                self.progress(1)
+            self._done()
         return name
 
-    def linear(self, b: GraphBuilder, x: str, name: str, bias: str | None = None) -> str:
-        """x [N, in] @ W[out, in]^T (+ the tensor `bias` [out]) -> [N, out]."""
-        if self.format == "float":
-            return b.op("Gemm", x, self(name), *([self(bias)] if bias else []), transB=1)
-        quantized, scale, zero = name + ".int8", name + ".scale", name + ".zero_point"
-        if quantized not in self.initializers:
-            columns = as_float32(*self.read(name)).T  # [in, out]
-            step = np.maximum(np.abs(columns).max(0), 1e-12) / 127.0
-            self._add(quantized, np.round(columns / step).astype(np.int8), "int8")
-            self._add(scale, step.astype(np.float32), "float32")
-            self._add(zero, np.zeros(columns.shape[1], np.int8), "int8")
-            if self.progress:
-                self.progress(1)
-        x_q, x_scale, x_zero = b.op("DynamicQuantizeLinear", x, outputs=3)
-        product = b.op("Cast", b.op("MatMulInteger", x_q, quantized, x_zero, zero), to=TensorProto.FLOAT)
-        out = b.op("Mul", b.op("Mul", product, x_scale), scale)
-        return b.op("Add", out, self(bias)) if bias else out
+    def linear(self, b: GraphBuilder, x: str, names: str | Sequence[str], bias: str | None = None) -> str:
+        """x [.., in] @ W[out, in]^T (+ the tensor `bias` [out]) -> [.., out]; several `names` are one projection
+        onto their concatenated outputs (e.g. q, k and v)."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not self._quantizes(names[0]):
+            weight = self(names[0]) if len(names) == 1 else self._concatenated(names)
+            return b.op("Gemm", x, weight, *([self(bias)] if bias else []), transB=1)
+        codes, scales, n, k = self._quantized(names)
+        return b.op("MatMulNBits", x, codes, scales, *(["", "", self(bias)] if bias else []), domain="com.microsoft",
+                    K=k, N=n, bits=self.format.bits, block_size=self.format.block_size,
+                    accuracy_level=self.format.accuracy_level)
+
+    def embedding(self, b: GraphBuilder, ids: str, name: str) -> str:
+        """Rows `ids` of the [vocab, hidden] table `name`, dequantized in the graph when the format quantizes (the
+        same codes serve a tied LM head)."""
+        if not self._quantizes(name):
+            return b.op("Gather", self(name), ids)
+        codes, scales, vocab, hidden = self._quantized([name])
+        table = b.op("Reshape", codes, b.const([vocab, -1]))
+        return b.op("GatherBlockQuantized", table, ids, scales, domain="com.microsoft", bits=self.format.bits,
+                    block_size=self.format.block_size, gather_axis=0, quantize_axis=1)
+
+    def _concatenated(self, names: list[str]) -> str:
+        key = "+".join(names)
+        if key not in self.initializers:
+            self._add(key, np.concatenate([convert(*self.read(name), self.dtype) for name in names]), self.dtype)
+            self._done(len(names))
+        return key
+
+    def _quantized(self, names: list[str]) -> tuple[str, str, int, int]:
+        """(codes, scales) initializers of the weights `names` stacked along their outputs, quantized slice by slice."""
+        key = "+".join(names)
+        codes_name, scales_name = key + ".q", key + ".scales"
+        arrays = [self.read(name) for name in names]
+        k = arrays[0][0].shape[1]
+        n = sum(array.shape[0] for array, _ in arrays)
+        block = self.format.block_size
+        if codes_name not in self.initializers:
+            step = max(1, CHUNK_ELEMENTS // k)
+            scales = []
+
+            def chunks() -> Iterator[np.ndarray]:
+                for array, stored in arrays:
+                    for start in range(0, array.shape[0], step):
+                        codes, chunk_scales = quantize_rows(as_float32(array[start:start + step], stored), self.format.bits, block)
+                        scales.append(chunk_scales)
+                        yield codes
+
+            blob = block * self.format.bits // 8
+            self.initializers[codes_name] = self.store.add_chunks(codes_name, (n, k // block, blob), "uint8", chunks())
+            self._add(scales_name, np.concatenate(scales).astype(self.dtype), self.dtype)
+            self._done(len(names))
+        return codes_name, scales_name, n, k

@@ -1,0 +1,82 @@
+"""How big an engine is: the context a KV-cache memory budget allows, and the memory of its weights and caches.
+`dspark-export build` and `dspark-export inspect` both size engines here, so they print the same numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark_export.config import DTYPE_BYTES, Qwen3Config
+from dspark_export.errors import ConfigError
+from dspark_export.graphs.weights import WeightFormat
+
+DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told otherwise
+CONTEXT_STEP = 256  # a budget-sized context is rounded down to a multiple of this
+
+
+def parse_bytes(text: str) -> int:
+    """"4GiB", "512MB", "1.5G", "2000000" -> bytes (K/M/G are powers of 1024)."""
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(cleaned[-1:], 1)
+    try:
+        value = float(cleaned[:-1] if scale > 1 else cleaned)
+    except ValueError:
+        raise ConfigError(f"--kv-memory {text!r} is not a size (e.g. 4GiB, 512MB)") from None
+    if value <= 0:
+        raise ConfigError(f"--kv-memory must be positive (got {text!r})")
+    return int(value * scale)
+
+
+def weight_bytes(config: Qwen3Config, weights: WeightFormat, dtype: str) -> int:
+    """Bytes of an engine's target weights: projections (and embeddings) in the weight format, norms in `dtype`."""
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    layer = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 3 * h * i
+    matrices = config.num_hidden_layers * layer + config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    norms = config.num_hidden_layers * (2 * h + 2 * d) + h
+    if weights.bits is None:
+        per_weight = DTYPE_BYTES[dtype]
+    else:  # codes, and one float scale per block
+        per_weight = weights.bits / 8 + DTYPE_BYTES[dtype] / weights.block_size
+    return int(matrices * per_weight) + norms * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineSize:
+    slots: int
+    max_context: int  # tokens of context per request
+    cache_rows: int  # positions per cache slot (the context and one step's drafts)
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def line(self) -> str:
+        return (f"weights {human_bytes(self.weight_bytes)} + KV cache {self.slots} slot(s) x {self.max_context} tokens "
+                f"{human_bytes(self.kv_bytes)} = {human_bytes(self.total_bytes)}")
+
+
+def size_engine(config: Qwen3Config, slots: int, dtype: str, weights: WeightFormat, gamma: int = 0,
+                max_context: int | None = None, kv_memory: int | None = None) -> EngineSize:
+    """The engine's context (`max_context`, else the most the KV budget holds, at most the model's positions)
+    and its memory. The KV cache of a drafter, a few layers, is not counted."""
+    per_row = config.kv_cache_bytes(slots, 1, dtype)
+    if max_context is None:
+        budget = kv_memory or DEFAULT_KV_MEMORY
+        fits = budget // per_row - gamma - 1
+        max_context = min(config.max_position_embeddings, fits // CONTEXT_STEP * CONTEXT_STEP if fits >= CONTEXT_STEP else fits)
+        if max_context < 2:
+            raise ConfigError(f"a KV cache of {human_bytes(budget)} holds no context for {slots} slot(s); "
+                              "raise --kv-memory or lower --cache-slots")
+    elif max_context > config.max_position_embeddings:
+        raise ConfigError(f"--max-context {max_context} exceeds the model's {config.max_position_embeddings} positions")
+    rows = max_context + gamma + 1
+    return EngineSize(slots, max_context, rows, weight_bytes(config, weights, dtype), per_row * rows)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
