@@ -100,7 +100,7 @@ class TargetLayers:
             self.cos, self.sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, ops.dtype)
 
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
-        b, ops, p = self.b, self.ops, f"model.layers.{layer}."
+        ops, p = self.ops, f"model.layers.{layer}."
         attended = self._attention(layer, h, p + "self_attn.")
         h, x = self._add_norm(x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight")
         last = layer == self.config.num_hidden_layers - 1
