@@ -30,6 +30,8 @@ def engine_options(command):
                      help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4."),
         click.option("--quant-block-size", type=click.IntRange(min=16), default=32, show_default=True,
                      help="Weights per quantization block (int8, int4)."),
+        click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+                     help="int8/int4 compute: 4 quantizes activations to int8 (fast on CPUs), 0 dequantizes to float."),
         click.option("--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests."),
         click.option("--max-context", type=click.IntRange(min=2), default=None,
                      help="Tokens per request (default: what --kv-memory holds, at most the model's positions)."),
@@ -40,9 +42,10 @@ def engine_options(command):
     return command
 
 
-def weight_format(dtype: str, weights: str | None, block_size: int) -> WeightFormat:
+def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat:
     """--weights (default: the --dtype's float format) as a WeightFormat."""
-    return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size)
+    return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size,
+                        accuracy_level)
 
 
 def default_to_demo(target: str | None, target_path: str | None) -> tuple[str | None, str | None]:
@@ -59,7 +62,8 @@ def main() -> None:
 @target_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(target, target_path, dtype, weights, quant_block_size, cache_slots, max_context, kv_memory, as_json) -> None:
+def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_level, cache_slots, max_context, kv_memory,
+            as_json) -> None:
     """Show a target's architecture, size and the memory of an engine built from it (as `build` would size it).
 
     \b
@@ -179,8 +183,8 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
               help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
-def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights, quant_block_size, cache_slots, max_context,
-          kv_memory, drafter_weights, max_batch_tokens, force) -> None:
+def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights, quant_block_size, accuracy_level, cache_slots,
+          max_context, kv_memory, drafter_weights, max_batch_tokens, force) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
 
     \b
@@ -202,7 +206,8 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights
     drafter_name = None if drafter_dir is None else (drafter if drafter.startswith("demo-") else drafter_dir.name)
     out_dir = Path(out) if out else default_engine_dir(spec.name, drafter_name)
     engine = build_engine(spec, out_dir, drafter_dir, drafter_name, backend, dtype, cache_slots, max_context,
-                          max_batch_tokens, force, weights=weight_format(dtype, weights, quant_block_size),
-                          drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size),
+                          max_batch_tokens, force, weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
+                          drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size,
+                                                                            accuracy_level),
                           kv_memory=parse_bytes(kv_memory))
     click.echo(f"engine written to {engine}")

@@ -1,12 +1,13 @@
 """ONNX Runtime sessions for the engine's graphs (the runtime has no TensorRT backend yet).
 
-On 2 cores, two sessions with default settings ran at half the speed of one because their spinning
-intra-op pools fought (measured in the project's feasibility study): a pool keeps spinning for a while after its run returns,
-on the cores the other session's run needs. Here both pools spin during a run (fast hand-offs between ops)
-and stop the moment it returns (`session.force_spinning_stop`), so the target and the drafter each get every
-core without a fight. Measured on the demo against the previous setting (drafter on one thread, only the
-target's pool spinning; four alternating pairs of `dspark-run bench --modes off,fixed:7 --domains code
---limit 10`): the drafter's share of a `fixed:7` step 27% -> 24%, `fixed:7` / `off` 1.70x -> 1.82x (medians).
+The target and the drafter run one after the other on the same cores. With their own pools (the default,
+safe beside other ONNX Runtime sessions in the same process) each pool spins during its run and stops the
+moment the run returns (`session.force_spinning_stop`), so the two never fight over the cores; every run
+then pays a wake-up. With `shared_pool` both sessions use the process's one pool (ONNX Runtime's global
+thread pool) and keep spinning between runs: on the demo int4 engine (2 cores, code prompts, greedy) `off`
+1372 -> 1525 tok/s and `fixed:3` 1055 -> 1137 tok/s. Its cost: every ONNX Runtime session the process creates
+afterwards must set `use_per_session_threads = False`, and the first engine loaded sets the pool's size.
+The `dspark-run` commands use the shared pool (`DSPARK_THREAD_POOL=session` turns it off).
 """
 
 from __future__ import annotations
@@ -30,19 +31,36 @@ def available_providers() -> list[str]:
     return ort.get_available_providers()
 
 
+_POOL_THREADS: list[int] = []  # the size the process's shared pool was given
+
+
+def share_thread_pool(threads: int) -> None:
+    """Size ONNX Runtime's process-wide thread pool, once (later calls keep the first size)."""
+    if not _POOL_THREADS:
+        from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_sizes
+
+        set_global_thread_pool_sizes(threads, 1)
+        _POOL_THREADS.append(threads)
+
+
 class OrtGraph:
     """One ONNX graph in an InferenceSession, checked against its contract, with its KV caches bound once (for an
     in-place graph as both its past inputs and present outputs). `run(feeds)` takes exactly the graph's other
     inputs and returns its other outputs by name."""
 
-    def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None):
+    def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None,
+                 shared_pool: bool = False):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
+        if shared_pool:
+            share_thread_pool(threads)
+            options.use_per_session_threads = False
+        else:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-        options.add_session_config_entry("session.force_spinning_stop", "1")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         providers = providers or ["CPUExecutionProvider"]
         try:
@@ -98,7 +116,7 @@ def check_contract(session, io: GraphIO, path: Path) -> None:
 
 
 def open_graphs(folder: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                providers: list[str] | None = None) -> tuple[OrtGraph, OrtGraph | None]:
+                providers: list[str] | None = None, shared_pool: bool = False) -> tuple[OrtGraph, OrtGraph | None]:
     """(target, drafter) runners for an engine directory."""
     if backend == "trt":
         raise MissingDependencyError("the runtime cannot run TensorRT engines yet; load this engine with backend='ort' "
@@ -106,7 +124,7 @@ def open_graphs(folder: Path, manifest: Manifest, backend: str, threads: int | N
     if providers and "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
         raise MissingDependencyError("CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'")
     threads = threads or os.cpu_count() or 1
-    target = OrtGraph(folder / TARGET_GRAPH, manifest.target_io(), threads, providers)
+    target = OrtGraph(folder / TARGET_GRAPH, manifest.target_io(), threads, providers, shared_pool)
     drafter_io = manifest.drafter_io()
-    drafter = OrtGraph(folder / DRAFTER_GRAPH, drafter_io, threads, providers) if drafter_io else None
+    drafter = OrtGraph(folder / DRAFTER_GRAPH, drafter_io, threads, providers, shared_pool) if drafter_io else None
     return target, drafter

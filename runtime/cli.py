@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
 from dspark_runtime.cli_errors import DSparkGroup
+
+
+def shared_pool() -> bool:
+    """The commands run both graphs on ONNX Runtime's process-wide thread pool unless DSPARK_THREAD_POOL=session."""
+    return os.environ.get("DSPARK_THREAD_POOL", "process") != "session"
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -72,7 +78,7 @@ def chat(engine_dir, prompt, system, temperature, top_k, top_p, min_p, repeat_pe
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    with Engine.load(engine_dir, threads=threads) as engine:
+    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         defaults = engine.generation_defaults()
         params = SamplingParams(
             max_tokens=max_tokens, seed=seed, stop=tuple(stop), repetition_penalty=repeat_penalty,
@@ -175,7 +181,7 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
                        f"step time: target {result['target_share_of_step_time']:.0%}, "
                        f"drafter {result['drafter_share_of_step_time']:.0%}", err=True)
 
-    with Engine.load(engine_dir, threads=threads) as engine:
+    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, repeats)
     if plot and not plot_frontier(report, plot):
         click.echo("--plot needs matplotlib (pip install matplotlib)", err=True)
@@ -194,7 +200,7 @@ def profile(engine_dir, context, repeats, threads) -> None:
     from dspark_runtime.engine import Engine
     from dspark_runtime.profiling import target_sizes
 
-    with Engine.load(engine_dir, threads=threads, profile=False) as engine:
+    with Engine.load(engine_dir, threads=threads, profile=False, shared_pool=shared_pool()) as engine:
         total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, repeats, lambda graph, n: bar.update())
@@ -222,7 +228,7 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias
     from dspark_runtime.sampling import SamplingParams
 
     rows = read_prompts(prompts or demo_prompts_path(), limit)
-    with Engine.load(engine_dir, threads=threads) as engine:
+    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
             report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,
                                      bar.update, bias)
@@ -254,5 +260,9 @@ def serve(engine_dir, host, port, spec, model_name, threads) -> None:
     from dspark_runtime.engine import Engine
     from dspark_runtime.server import serve as run_server
 
-    with Engine.load(engine_dir, threads=threads) as engine:
+    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         run_server(engine, model_name or engine.folder.name, host, port, spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -42,10 +42,11 @@ class Completion:
 
 
 class Request:
-    """A submitted request: iterate it for deltas, `result()` for the whole completion, `cancel()` to stop."""
+    """A submitted request: iterate it for deltas, `result()` for the whole completion, `cancel()` to stop. A
+    request submitted with `stream=False` gets one delta, at its end."""
 
-    def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState):
-        self.engine, self.sequence, self.output = engine, sequence, output
+    def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState, stream: bool = True):
+        self.engine, self.sequence, self.output, self.stream = engine, sequence, output, stream
         self.events: queue.Queue[Delta | Exception] = queue.Queue()
         self.done = threading.Event()
 
@@ -88,18 +89,20 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, backend: str = "auto", threads: int | None = None,
-             providers: list[str] | None = None, profile: bool = True) -> "Engine":
+             providers: list[str] | None = None, profile: bool = True, shared_pool: bool = False) -> "Engine":
         """Load an engine directory (None: the bundled demo, built into the user cache on first use, which a
         line on stderr announces). `backend` "auto" runs what the manifest was built for.
 
         An engine with a drafter but no hardware_curve.json is profiled first, once, announced by a line on
-        stderr (`profile=False` skips it, and then `sync`/`async` are unavailable).
+        stderr (`profile=False` skips it, and then `sync`/`async` are unavailable). `shared_pool` runs both
+        graphs on ONNX Runtime's process-wide thread pool: faster on few cores, but every ONNX Runtime session
+        the process creates afterwards must then set `use_per_session_threads = False` (see `backend`).
         """
         folder = Path(path) if path is not None else _demo_engine()
         manifest = read_manifest(folder)
         tokenizer = ChatTokenizer.from_dir(folder)
         target, drafter = open_graphs(folder, manifest, manifest.backend if backend == "auto" else backend, threads,
-                                      providers)
+                                      providers, shared_pool)
         engine = cls(folder, manifest, tokenizer, target, drafter)
         if profile and drafter is not None and not engine.has_speed_curve:
             print(f"profiling {folder.name} once (hardware_curve.json)...", file=sys.stderr)
@@ -159,8 +162,9 @@ class Engine:
 
     # ---- submission -----------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
-               truncate: bool = False) -> Request:
-        """Queue a request; it starts as soon as a cache slot is free."""
+               truncate: bool = False, stream: bool = True) -> Request:
+        """Queue a request; it starts as soon as a cache slot is free. `stream=False` delivers its text in one
+        delta at the end (no per-step work for a caller that only wants the result)."""
         params = params or SamplingParams()
         mode = SpecMode.parse(spec, self.gamma, scheduled=self.has_speed_curve)
         if mode.drafting and not self.gamma:
@@ -181,7 +185,7 @@ class Engine:
         sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed),
                             frozenset(ends | set(params.stop_token_ids)))
         output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop)
-        request = Request(self, sequence, output)
+        request = Request(self, sequence, output, stream)
         with self._lock:
             if self._closed:
                 raise DSparkError("the engine has been shut down")
@@ -191,7 +195,7 @@ class Engine:
         return request
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Completion:
-        return self.submit(prompt, params, spec, **kwargs).result()
+        return self.submit(prompt, params, spec, stream=False, **kwargs).result()
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Iterator[Delta]:
         """Text deltas (`.text`, `.token_ids`, `.finish_reason` on the last); closing the iterator cancels."""
@@ -266,7 +270,7 @@ class Engine:
     def _publish(self, sequence: Sequence) -> None:
         """Hand a request the text it has not seen yet, and its end when it finished."""
         request = self._requests.get(sequence.request_id)
-        if request is None:
+        if request is None or (sequence.finish_reason is None and not request.stream):
             return
         if sequence.finish_reason is not None:
             with self._lock:

@@ -15,6 +15,7 @@ slot, `Hkv` KV heads, `D` head size, `V` vocabulary, `F` feature width, `G` γ).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class GraphIO:
         """The per-layer ports of one kind (`past_key`, `new_value`, `present_key`, ...), in layer order."""
         return [t.name for t in self.inputs + self.outputs if t.name.rsplit("_", 1)[0] == kind]
 
-    @property
+    @cached_property
     def in_place(self) -> bool:
         """Whether the graph writes its caches itself (outputs `present_*`), else the runtime commits `new_*` rows."""
         return any(t.name.startswith("present_") for t in self.outputs)

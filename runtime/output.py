@@ -1,6 +1,6 @@
-"""From a request's visible tokens to the text a user sees: streamed deltas that never split a UTF-8
-character or show the start of a stop string, and the report of a stop string, which the step loop turns
-into the request's finish."""
+"""From a request's visible tokens to the text a user sees: decoded incrementally (only the newest tokens
+are decoded each step), streamed in deltas that never split a UTF-8 character or show the start of a stop
+string, and the report of a stop string, which the step loop turns into the request's finish."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ class Delta:
 
 @dataclass
 class OutputState:
-    """Per request: the visible tokens, their text (cut before a stop string) and what was already sent."""
+    """Per request: the visible tokens, their text (cut before a stop string) and what was already sent.
+
+    Incremental decoding: the text of the tokens after `prefix` minus that of the tokens from `prefix` to
+    `read` is what the tokens after `read` add; a byte-level tokenizer needs the few tokens of context for
+    characters that span tokens, and text that ends in an incomplete character waits for its other bytes.
+    """
 
     decode: Callable[[list[int]], str]
     stop: tuple[str, ...]
@@ -26,35 +31,47 @@ class OutputState:
     stopped: bool = False
     sent_text: str = ""
     sent_tokens: int = 0
+    prefix: int = 0
+    read: int = 0
 
     def add(self, tokens: list[int]) -> bool:
         """Take a step's visible tokens; True when a stop string appeared (the text ends before it)."""
-        if self.stopped:
-            return True
+        if self.stopped or not tokens:
+            return self.stopped
         self.visible += tokens
-        text = self.decode(self.visible)
-        for stop in self.stop:
-            at = text.find(stop, max(0, len(self.sent_text) - len(stop)))
-            if at >= 0:
-                text, self.stopped = text[:at], True
-        self.text = text
+        start = len(self.text)
+        if self._extend(final=False):
+            for stop in self.stop:
+                at = self.text.find(stop, max(0, start - len(stop) + 1))
+                if at >= 0:
+                    self.text, self.stopped = self.text[:at], True
         return self.stopped
+
+    def _extend(self, final: bool) -> bool:
+        """Append the text the unread tokens add (at the end, also an incomplete character); whether any was."""
+        before = self.decode(self.visible[self.prefix : self.read])
+        after = self.decode(self.visible[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return False
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, len(self.visible)
+        return True
 
     def take(self, finish_reason: str | None) -> Delta | None:
         """What has not been sent yet (None if nothing): all of it once the request finished, else all but a
-        tail that may still become a stop string or is an incomplete character."""
-        text, hold = self.text, 0
+        tail that may still become a stop string."""
+        hold = 0
         if finish_reason is None:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
-                hold = len(text) - len(text.rstrip("\ufffd"))
-            for stop in self.stop:  # the text might be the start of a stop string
-                for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                    if text.endswith(stop[:size]):
+            for stop in self.stop:
+                for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(stop[:size]):
                         hold = max(hold, size)
                         break
-        shown = text[: len(text) - hold] if hold else text
+        elif not self.stopped and self.read < len(self.visible):
+            self._extend(final=True)
+        shown = self.text[: len(self.text) - hold]
         if len(shown) < len(self.sent_text):  # a stop string cut text already sent: keep what was sent
             shown = self.sent_text
-        delta = Delta(shown[len(self.sent_text):], self.visible[self.sent_tokens:], finish_reason)
+        delta = Delta(shown[len(self.sent_text) :], self.visible[self.sent_tokens :], finish_reason)
         self.sent_text, self.sent_tokens = shown, len(self.visible)
         return delta if (delta.text or delta.token_ids or delta.finish_reason) else None

@@ -108,7 +108,7 @@ def create_app(engine: Engine, model_name: str, default_spec: str | None = None)
             if chat:
                 prompt = [{"role": m["role"], "content": m.get("content") or ""} for m in prompt]
             params = sampling_from(body, defaults)
-            handle = engine.submit(prompt, params, body.get("spec", default_spec))
+            handle = engine.submit(prompt, params, body.get("spec", default_spec), stream=bool(body.get("stream")))
         except BadRequest as exc:
             return JSONResponse(error_body(str(exc), exc.param), status_code=400)
         except DSparkError as exc:

@@ -1,16 +1,19 @@
 """DSpark against CPU peers on the same checkpoint, the same prompts, in one process.
 
-    python scripts/compare_peers.py [ENGINE_DIR] --domains code --limit 10 --max-tokens 128 --spec fixed:4
-    python scripts/compare_peers.py --peers transformers,llama.cpp --llama-cpp-source VENDOR/llama.cpp
+    python scripts/compare_peers.py [ENGINE_DIR] --domains code --limit 10 --max-tokens 128 --modes off,async
+    python scripts/compare_peers.py ENGINE_DIR --peers ort-genai,llama.cpp --llama-cpp-source VENDOR/llama.cpp
 
 Greedy decoding, one request at a time, `--threads` threads for everyone. For each prompt every peer and
-the DSpark engine (`off` and `--spec`) generate `--max-tokens` tokens from the same token ids (prefill
-included in the time); medians of tokens/s and the ratios are printed, and greedy outputs are compared.
+the DSpark engine (each of `--modes`) generate `--max-tokens` tokens from the same token ids (prefill
+included in the time), `--repeats` rounds over the prompts; medians of tokens/s and the ratios are printed,
+and greedy outputs are compared. Peers run the checkpoint at the engine's weight precision.
 
 Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
-- `llama.cpp`: llama-cpp-python on the checkpoint converted to GGUF (`--gguf-type f32` or `bf16`, the
-  checkpoint's own precision) by llama.cpp's `convert_hf_to_gguf.py`. Needs `pip install llama-cpp-python
+- `ort-genai`: ONNX Runtime GenAI, its own model builder (`onnxruntime_genai.models.builder`, `-e cpu`, `-p`
+  the engine's precision: fp32, fp16, int8 or int4) and generator. Needs `pip install onnxruntime-genai onnx_ir`.
+- `llama.cpp`: llama-cpp-python on the checkpoint converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`, at the
+  engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4; `--gguf-type` overrides). Needs `pip install llama-cpp-python
   gguf sentencepiece` (it compiles llama.cpp from the sdist, about 10 minutes on 2 cores) and the converter,
   which only the sdist has: `pip download --no-deps --no-binary :all: llama-cpp-python`, unpack it, and pass
   its `vendor/llama.cpp` as `--llama-cpp-source`. The demo's tokenizer is a byte-level BPE with the GPT-2
@@ -60,6 +63,37 @@ def transformers_peer(model_dir: Path, max_tokens: int, threads: int) -> Generat
     return generate
 
 
+GENAI_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int4"}
+GGUF_TYPE = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: str, work: Path) -> Generate:
+    import onnxruntime_genai as og
+
+    folder = work / f"{model_dir.name}-genai-{precision}"
+    if not (folder / "genai_config.json").is_file():
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", model_dir.name, "-i", str(model_dir),
+                        "-o", str(folder), "-p", GENAI_PRECISION[precision], "-e", "cpu", "-c", str(work / "genai-cache")],
+                       check=True, capture_output=True)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"] |= {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
+    model = og.Model(str(folder))
+
+    def generate(ids: list[int]) -> list[int]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + max_tokens, min_length=len(ids) + max_tokens)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        tokens = []
+        while len(tokens) < max_tokens and not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        return tokens
+
+    return generate
+
+
 def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, source: Path, gguf_type: str, work: Path) -> Generate:
     import llama_cpp
 
@@ -87,18 +121,19 @@ def main() -> None:
     parser.add_argument("--domains", default="code", help="comma-separated prompt domains")
     parser.add_argument("--limit", type=int, default=10, help="prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--spec", default="fixed:4")
+    parser.add_argument("--modes", default="off,async", help="DSpark speculation modes (the first is the reference)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--peers", default="transformers", help="comma-separated: transformers, llama.cpp")
+    parser.add_argument("--peers", default="transformers", help="comma-separated: transformers, ort-genai, llama.cpp")
     parser.add_argument("--llama-cpp-source", type=Path, help="llama.cpp source folder holding convert_hf_to_gguf.py")
-    parser.add_argument("--gguf-type", default="f32", choices=["f32", "bf16", "f16"])
+    parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
+                        help="GGUF precision (default: the engine's)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers", help="where GGUF files go")
     args = parser.parse_args()
 
-    from dspark_runtime.prompts import demo_prompts_path
     from dspark_export.presets import resolve_target
     from dspark_runtime import Engine, SamplingParams
-    from dspark_runtime.prompts import read_prompts
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     names = args.peers.split(",")
     if "llama.cpp" in names and args.llama_cpp_source is None:
@@ -106,40 +141,48 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    with Engine.load(args.engine_dir, threads=args.threads) as engine:
+    modes = args.modes.split(",")
+    with Engine.load(args.engine_dir, threads=args.threads, shared_pool=True) as engine:
         model_dir = resolve_target(engine.manifest.target_name, None).require_path()
+        precision = engine.manifest.weights
         peers: dict[str, Generate] = {}
         for name in names:
             if name == "transformers":
                 peers[name] = transformers_peer(model_dir, args.max_tokens, args.threads)
+            elif name == "ort-genai":
+                peers[f"ort-genai-{precision}"] = ort_genai_peer(model_dir, args.max_tokens, args.threads, precision, args.work)
             elif name == "llama.cpp":
-                peers[f"llama.cpp-{args.gguf_type}"] = llama_cpp_peer(model_dir, args.max_tokens, args.threads,
-                                                                      args.llama_cpp_source, args.gguf_type, args.work)
+                gguf_type = args.gguf_type or GGUF_TYPE[precision]
+                peers[f"llama.cpp-{gguf_type}"] = llama_cpp_peer(model_dir, args.max_tokens, args.threads,
+                                                                 args.llama_cpp_source, gguf_type, args.work)
             else:
                 parser.error(f"unknown peer {name!r}")
-        for mode in ("off", args.spec):
+        for mode in modes:
             peers[mode] = lambda ids, mode=mode: engine.generate(ids, params, spec=mode).token_ids
         timings: dict[str, list[float]] = {name: [] for name in peers}
         agree = {name: 0 for name in peers}
-        peers[args.spec](engine.tokenizer.encode(rows[0]["prompt"]))  # warm-up
-        for row in rows:
-            ids = engine.tokenizer.encode(row["prompt"])
-            outputs = {}
-            for name, generate in peers.items():
-                started = time.perf_counter()
-                outputs[name] = generate(ids)
-                timings[name].append(len(outputs[name]) / (time.perf_counter() - started))
-            for name in peers:
-                agree[name] += outputs[name] == outputs["off"]
-            print(f"{row['domain']:5s} " + "  ".join(f"{n} {t[-1]:6.1f}" for n, t in timings.items()) + " tok/s", flush=True)
+        for generate in peers.values():  # warm-up
+            generate(engine.tokenizer.encode(rows[0]["prompt"]))
+        for _ in range(args.repeats):
+            for row in rows:
+                ids = engine.tokenizer.encode(row["prompt"])
+                outputs = {}
+                for name, generate in peers.items():
+                    started = time.perf_counter()
+                    outputs[name] = generate(ids)
+                    timings[name].append(len(outputs[name]) / (time.perf_counter() - started))
+                for name in peers:
+                    agree[name] += outputs[name] == outputs[modes[0]]
+                print(f"{row['domain']:5s} " + "  ".join(f"{n} {t[-1]:6.1f}" for n, t in timings.items()) + " tok/s",
+                      flush=True)
     medians = {name: float(np.median(values)) for name, values in timings.items()}
     print(json.dumps({
-        "prompts": len(rows), "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
+        "engine": str(engine.folder), "weights": precision, "prompts": len(rows), "repeats": args.repeats,
+        "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
-        "ratios": {f"{args.spec}_vs_off": round(medians[args.spec] / medians["off"], 2)}
-        | {f"{mode}_vs_{name}": round(medians[mode] / medians[name], 2)
-           for mode in ("off", args.spec) for name in medians if name not in ("off", args.spec)},
-        "prompts_with_the_same_greedy_output_as_off": agree,
+        "ratios": {f"{mode}_vs_{name}": round(medians[mode] / medians[name], 2)
+                   for mode in modes for name in medians if name != mode},
+        f"prompts_with_the_same_greedy_output_as_{modes[0]}": agree,
     }, indent=2))
 
 

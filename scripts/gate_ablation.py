@@ -30,7 +30,7 @@ def main() -> None:
     rows = read_prompts(demo_prompts_path(), args.limit)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     results = []
-    with Engine.load(args.engine_dir, threads=args.threads) as engine:
+    with Engine.load(args.engine_dir, threads=args.threads, shared_pool=True) as engine:
         engine.generate(rows[0]["prompt"], SamplingParams(max_tokens=4, temperature=args.temperature), spec="sync")  # warm-up
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             for mode, gated in (("off", True), ("sync", True), ("sync", False), ("async", True), ("async", False)):

@@ -4,9 +4,13 @@ layout, drafters for them, and engines built from both."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# CLI commands run in the test process: keep per-session thread pools, which other tests' sessions need
+os.environ["DSPARK_THREAD_POOL"] = "session"
 
 TEXT = ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there, friend!"] * 20
 

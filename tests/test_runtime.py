@@ -260,3 +260,16 @@ def test_eagle3_engine_is_lossless_batched(tmp_path):
         for spec in ("fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS[:3]]
             assert [h.result().token_ids for h in handles] == plain
+
+
+def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engine_dir):
+    """dspark-run runs both graphs on ONNX Runtime's process-wide pool (a subprocess: the pool is process state)."""
+    import os
+
+    env = os.environ | {"DSPARK_THREAD_POOL": "process"}
+    run = subprocess.run([sys.executable, "-m", "dspark_runtime.cli", str(echo_engine_dir), "-p", "Hello there", "--temp", "0",
+                          "-n", "12", "--spec", "fixed:3", "--completion", "--json"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    with Engine.load(echo_engine_dir, threads=1) as engine:
+        expected = engine.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0), spec="fixed:3").text
+    assert json.loads(run.stdout.strip().splitlines()[-1])["text"] == expected

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.config import Qwen3Config
@@ -144,7 +144,7 @@ class TargetLayers:
                        self.pad.query_seqlens, names=[b.name("attention"), keys, values], domain="com.microsoft",
                        num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, do_rotary=1,
                        scale=float(c.head_dim ** -0.5))[0]
-            return self.pad.unpadded(out, self.widths[0])
+            return self.pad.unpadded(out)
         q, k = ops.rope(q, self.cos, self.sin), ops.rope(k, self.cos, self.sin)
         new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", b.op("Reshape", v, self.kv_shape), name=values)
         attended = b.name("attention")
@@ -156,7 +156,8 @@ class TargetLayers:
 class SlotPadding:
     """The flattened tokens laid out as GroupQueryAttention's batch: one row per cache slot, each slot's new
     tokens right-padded to the step's longest (computed once per step from slot, pos and cache_len, which
-    every layer shares). A token's offset in its request is pos - cache_len (positions are contiguous)."""
+    every layer shares). A token's offset in its request is pos - cache_len (positions are contiguous). Padding
+    rows repeat token 0: the kernel neither reads them nor caches them (`query_seqlens`)."""
 
     def __init__(self, b: GraphBuilder):
         self.b = b
@@ -167,24 +168,21 @@ class SlotPadding:
         counts = b.op("ReduceSum", member, b.const([0]), keepdims=0)  # [S] new tokens per slot
         longest = b.op("ReduceMax", counts, b.const([0]), keepdims=1)  # [1]
         offset = b.op("Sub", "pos", b.op("Gather", "cache_len", "slot"))  # [T]
-        self.flat = b.op("Add", b.op("Mul", "slot", longest), offset)  # [T] row of each token in [S·n]
-        tokens = b.op("Shape", "slot")  # [1]: T
-        fill = b.op("Expand", tokens, b.op("Mul", slots, longest))  # [S·n], all T: the appended zero row
-        self.index = b.op("ScatterND", fill, b.op("Unsqueeze", self.flat, b.const([1])),
-                          b.op("Range", zero, b.op("Squeeze", tokens, b.const([0])), one))
-        self.shape = b.op("Concat", slots, longest, b.const([-1]), axis=0)  # [S, n, -1]
+        self.rows = b.op("Concat", b.op("Unsqueeze", "slot", b.const([1])), b.op("Unsqueeze", offset, b.const([1])),
+                         axis=1)  # [T, 2]: each token's (slot, offset)
+        tokens = b.op("Squeeze", b.op("Shape", "slot"), b.const([0]))
+        self.index = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", slots, longest, axis=0),
+                                            value=helper.make_tensor("zero", TensorProto.INT64, [1], [0])),
+                          self.rows, b.op("Range", zero, tokens, one))  # [S, n]: the token at each padded row
         committed = b.op("Max", b.op("Sub", b.op("Add", "cache_len", counts), one), zero)  # an idle empty slot: 0
         self.seqlens_k = b.op("Cast", committed, to=TensorProto.INT32)
         self.query_seqlens = b.op("Cast", counts, to=TensorProto.INT32)
         self.total = b.op("Cast", b.op("Add", b.op("ReduceMax", committed, keepdims=0), one), to=TensorProto.INT32)
 
     def padded(self, x: str) -> str:
-        """[T, W] -> [S, n, W], zeros where a slot has fewer tokens."""
-        b = self.b
-        width = b.op("Shape", x, start=1)
-        zero_row = b.op("ConstantOfShape", b.op("Concat", b.const([1]), width, axis=0))
-        return b.op("Reshape", b.op("Gather", b.op("Concat", x, b.op("CastLike", zero_row, x), axis=0), self.index), self.shape)
+        """[T, W] -> [S, n, W]."""
+        return self.b.op("Gather", x, self.index)
 
-    def unpadded(self, y: str, width: int) -> str:
-        """[S, n, width] -> the T real rows [T, width]."""
-        return self.b.op("Gather", self.b.op("Reshape", y, self.b.const([-1, width])), self.flat)
+    def unpadded(self, y: str) -> str:
+        """[S, n, W] -> the T real rows [T, W]."""
+        return self.b.op("GatherND", y, self.rows)
