@@ -22,7 +22,8 @@ from dspark_runtime.errors import DSparkError, MissingDependencyError
 from dspark_runtime.graph_io import GraphIO
 from dspark_runtime.kv_cache import KVCache
 
-ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"}
+ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float32": "tensor(float)", "float16": "tensor(float16)",
+             "bfloat16": "tensor(bfloat16)"}
 
 
 def available_providers() -> list[str]:

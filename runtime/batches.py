@@ -31,7 +31,9 @@ def _feeds(batch: object, io: GraphIO) -> dict[str, np.ndarray]:
 
 @dataclass
 class TargetBatch:
-    """New tokens of several requests, flattened: prefill chunks and verification rows mixed."""
+    """New tokens of several requests, flattened: prefill chunks and verification rows mixed. A request's
+    tokens are consecutive positions after its committed ones (pos = cache_len + offset), which the slot
+    layout of the ONNX Runtime lowering (`slot_rows` ... `total_length`) relies on."""
 
     input_ids: np.ndarray  # [T]
     pos: np.ndarray  # [T] absolute positions
@@ -41,6 +43,35 @@ class TargetBatch:
 
     def feeds(self, io: GraphIO) -> dict[str, np.ndarray]:
         return _feeds(self, io)
+
+    @cached_property
+    def _counts(self) -> np.ndarray:
+        return np.bincount(self.slot, minlength=len(self.cache_len))
+
+    @cached_property
+    def token_rows(self) -> np.ndarray:
+        """[T, 2]: each token's slot and offset among its slot's new tokens."""
+        return np.stack([self.slot, self.pos - self.cache_len[self.slot]], axis=1)
+
+    @cached_property
+    def slot_rows(self) -> np.ndarray:
+        """[S, M]: the token at each row of the slot-padded layout (padding repeats token 0)."""
+        rows = np.zeros((len(self.cache_len), max(int(self._counts.max()), 1)), dtype=np.int64)
+        rows[self.token_rows[:, 0], self.token_rows[:, 1]] = np.arange(len(self.slot))
+        return rows
+
+    @cached_property
+    def seqlens_k(self) -> np.ndarray:
+        """Per slot, positions cached after the step, less one (0 for an idle empty slot)."""
+        return np.maximum(self.cache_len + self._counts - 1, 0)
+
+    @property
+    def query_seqlens(self) -> np.ndarray:
+        return self._counts
+
+    @property
+    def total_length(self) -> np.ndarray:
+        return np.asarray(self.seqlens_k.max() + 1)
 
 
 @dataclass

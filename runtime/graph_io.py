@@ -6,9 +6,9 @@ Adding a drafter kind is an entry in `DRAFTER_IO` plus one graph body in the exp
 
 Each port has a name (`{layer}` expands per layer), a dtype rule and dimensions. Dtypes: `int64`,
 `float32`, or `ACTIVATION` (the graph's activation dtype: the target's is the manifest's `dtype`).
-Dimensions are symbols the runtime sets per call (`T` new target tokens, `N` rows that want logits,
-`C` new drafter context rows, `R` drafted requests, `P` the distribution width: V, or 0 when an
-all-greedy call skips distributions) or the graph's own sizes (`S` cache slots, `Lmax` positions per
+Dimensions are symbols the runtime sets per call (`T` new target tokens, `N` rows that want logits, `M`
+the most new tokens of one slot, `C` new drafter context rows, `R` drafted requests, `P` the distribution
+width: V, or 0 when an all-greedy call skips distributions) or the graph's own sizes (`S` cache slots, `Lmax` positions per
 slot, `Hkv` KV heads, `D` head size, `V` vocabulary, `F` feature width, `G` γ).
 """
 
@@ -22,7 +22,8 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 ACTIVATION = "activation"
-NUMPY_DTYPES = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+NUMPY_DTYPES = {"int64": np.dtype(np.int64), "int32": np.dtype(np.int32), "float32": np.dtype(np.float32),
+                "float16": np.dtype(np.float16)}
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")  # bfloat16 graphs are for TensorRT (numpy and ORT's CPU lack it)
 
 
@@ -30,12 +31,12 @@ ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")  # bfloat16 graphs are fo
 class Port:
     name: str
     dtype: str  # "int64" | "float32" | ACTIVATION
-    dims: tuple[str, ...]
+    dims: tuple[str | int, ...]
 
 
 def _ports(*rows: tuple[str, str, str]) -> tuple[Port, ...]:
     """("name", "dtype", "dim dim ...") rows -> ports."""
-    return tuple(Port(name, dtype, tuple(dims.split())) for name, dtype, dims in rows)
+    return tuple(Port(name, dtype, tuple(int(d) if d.isdigit() else d for d in dims.split())) for name, dtype, dims in rows)
 
 
 CACHE_INPUTS = _ports(("past_key_{layer}", ACTIVATION, "S Hkv Lmax D"), ("past_value_{layer}", ACTIVATION, "S Hkv Lmax D"))
@@ -45,10 +46,14 @@ TARGET_IO = (
     _ports(("logits", "float32", "N V"), ("new_key_{layer}", ACTIVATION, "T Hkv D"),
            ("new_value_{layer}", ACTIVATION, "T Hkv D"), ("features", "float32", "T F")),
 )
-# the ONNX Runtime lowering: the graph appends each step's K/V to its caches in place (past and present share
-# one buffer), so they are outputs of the cache's shape instead of per-token rows
+# the ONNX Runtime lowering: its GroupQueryAttention takes the requests as a batch of cache slots, each slot's
+# new tokens right-padded to the step's longest (M); the runtime lays the step out (`TargetBatch`): the token at
+# each padded row, each token's (slot, offset), and the kernel's lengths. The graph appends each step's K/V to its
+# caches in place (past and present share one buffer), so they are outputs of the cache's shape, not token rows.
 TARGET_IN_PLACE_IO = (
-    TARGET_IO[0],
+    _ports(("input_ids", "int64", "T"), ("logit_index", "int64", "N"), ("slot_rows", "int64", "S M"),
+           ("token_rows", "int64", "T 2"), ("seqlens_k", "int32", "S"), ("query_seqlens", "int32", "S"),
+           ("total_length", "int32", "")) + CACHE_INPUTS,
     _ports(("logits", "float32", "N V"), ("present_key_{layer}", ACTIVATION, "S Hkv Lmax D"),
            ("present_value_{layer}", ACTIVATION, "S Hkv Lmax D"), ("features", "float32", "T F")),
 )

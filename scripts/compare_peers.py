@@ -1,29 +1,34 @@
-"""DSpark against CPU peers on the same checkpoint, the same prompts, in one process.
+"""DSpark against CPU peers on the same checkpoint and the same prompts, interleaved in one run.
 
     python scripts/compare_peers.py [ENGINE_DIR] --domains code --limit 10 --max-tokens 128 --modes off,async
     python scripts/compare_peers.py ENGINE_DIR --peers ort-genai,llama.cpp --llama-cpp-source VENDOR/llama.cpp
 
-Greedy decoding, one request at a time, `--threads` threads for everyone. For each prompt every peer and
-the DSpark engine (each of `--modes`) generate `--max-tokens` tokens from the same token ids (prefill
-included in the time), `--repeats` rounds over the prompts; medians of tokens/s and the ratios are printed,
-and greedy outputs are compared. Peers run the checkpoint at the engine's weight precision.
+Greedy decoding, one request at a time, `--threads` threads for everyone. Every runner (each peer, and the
+DSpark engine once for all of `--modes`) lives in its own process with its own best thread settings, so no
+runner's thread pool spins on the cores another needs. Each round, every runner in turn generates
+`--max-tokens` tokens for every prompt from the same token ids (a block of prompts per runner, so that one
+runner's spinning threads settle before the next starts), timed inside its process with prefill included;
+`--repeats` rounds. Medians of tokens/s and their ratios are printed, and greedy outputs are compared.
+Peers run the checkpoint at the engine's weight precision.
 
 Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
 - `ort-genai`: ONNX Runtime GenAI, its own model builder (`onnxruntime_genai.models.builder`, `-e cpu`, `-p`
   the engine's precision: fp32, fp16, int8 or int4) and generator. Needs `pip install onnxruntime-genai onnx_ir`.
 - `llama.cpp`: llama-cpp-python on the checkpoint converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`, at the
-  engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4; `--gguf-type` overrides). Needs `pip install llama-cpp-python
-  gguf sentencepiece` (it compiles llama.cpp from the sdist, about 10 minutes on 2 cores) and the converter,
-  which only the sdist has: `pip download --no-deps --no-binary :all: llama-cpp-python`, unpack it, and pass
-  its `vendor/llama.cpp` as `--llama-cpp-source`. The demo's tokenizer is a byte-level BPE with the GPT-2
+  engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4; `--gguf-type` overrides). Needs `pip install
+  llama-cpp-python gguf sentencepiece` (it compiles llama.cpp from the sdist, about 10 minutes on 2 cores) and the
+  converter, which only the sdist has: `pip download --no-deps --no-binary :all: llama-cpp-python`, unpack it, and
+  pass its `vendor/llama.cpp` as `--llama-cpp-source`. The demo's tokenizer is a byte-level BPE with the GPT-2
   split pattern, which the converter does not know by hash, so it is told so.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -35,7 +40,8 @@ from typing import Callable
 import numpy as np
 
 Generate = Callable[[list[int]], list[int]]
-
+GENAI_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int4"}
+GGUF_TYPE = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 CONVERT = """
 import runpy, sys
 source = sys.argv[1]
@@ -47,7 +53,7 @@ runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def transformers_peer(model_dir: Path, max_tokens: int, threads: int) -> Generate:
+def transformers_peer(model_dir: Path, max_tokens: int, threads: int, **_) -> Generate:
     import torch
     import transformers
 
@@ -63,11 +69,7 @@ def transformers_peer(model_dir: Path, max_tokens: int, threads: int) -> Generat
     return generate
 
 
-GENAI_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int4"}
-GGUF_TYPE = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
-
-
-def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: str, work: Path) -> Generate:
+def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: str, work: Path, **_) -> Generate:
     import onnxruntime_genai as og
 
     folder = work / f"{model_dir.name}-genai-{precision}"
@@ -94,13 +96,19 @@ def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: st
     return generate
 
 
-def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, source: Path, gguf_type: str, work: Path) -> Generate:
+def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str, **_) -> Generate:
     import llama_cpp
 
     gguf = work / f"{model_dir.name}-{gguf_type}.gguf"
     if not gguf.is_file():
-        subprocess.run([sys.executable, "-c", CONVERT, str(source), str(model_dir), "--outfile", str(gguf),
-                        "--outtype", gguf_type], check=True, capture_output=True)
+        f32 = work / f"{model_dir.name}-f32.gguf"
+        if not f32.is_file():
+            subprocess.run([sys.executable, "-c", CONVERT, str(source), str(model_dir), "--outfile", str(f32),
+                            "--outtype", "f32"], check=True, capture_output=True)
+        if gguf_type != "f32":  # llama.cpp's own quantizer, from the f32 conversion
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+            llama_cpp.llama_model_quantize(str(f32).encode(), str(gguf).encode(), ctypes.byref(params))
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     llm = llama_cpp.Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
 
@@ -113,6 +121,45 @@ def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, source: Path,
         return tokens
 
     return generate
+
+
+def dspark_runner(engine_dir: str | None, max_tokens: int, threads: int, modes: list[str], **_) -> dict[str, Generate]:
+    from dspark_runtime import Engine, SamplingParams
+
+    engine = Engine.load(engine_dir, threads=threads, shared_pool=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return {mode: (lambda ids, mode=mode: engine.generate(ids, params, spec=mode).token_ids) for mode in modes}
+
+
+PEERS = {"transformers": transformers_peer, "ort-genai": ort_genai_peer, "llama.cpp": llama_cpp_peer}
+
+
+def serve(connection, kind: str, options: dict) -> None:
+    """A runner's process: build its generators, then answer (name, ids) with (tokens, seconds) until None."""
+    generators = dspark_runner(**options) if kind == "dspark" else {options["label"]: PEERS[kind](**options)}
+    connection.send(list(generators))
+    while (request := connection.recv()) is not None:
+        name, ids = request
+        started = time.perf_counter()
+        tokens = generators[name](ids)
+        connection.send((tokens, time.perf_counter() - started))
+
+
+class Runner:
+    def __init__(self, kind: str, options: dict):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=serve, args=(child, kind, options), daemon=True)
+        self.process.start()
+        self.names = self.connection.recv()
+
+    def generate(self, name: str, ids: list[int]) -> tuple[list[int], float]:
+        self.connection.send((name, ids))
+        return self.connection.recv()
+
+    def close(self) -> None:
+        self.connection.send(None)
+        self.process.join(timeout=30)
 
 
 def main() -> None:
@@ -128,56 +175,60 @@ def main() -> None:
     parser.add_argument("--llama-cpp-source", type=Path, help="llama.cpp source folder holding convert_hf_to_gguf.py")
     parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
                         help="GGUF precision (default: the engine's)")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers", help="where GGUF files go")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers",
+                        help="where converted peer models go")
     args = parser.parse_args()
 
+    from dspark_export.build import default_engine_dir
     from dspark_export.presets import resolve_target
-    from dspark_runtime import Engine, SamplingParams
+    from dspark_runtime.engine_dir import read_manifest
     from dspark_runtime.prompts import demo_prompts_path, read_prompts
+    from dspark_runtime.tokenizer import ChatTokenizer
 
-    names = args.peers.split(",")
+    names, modes = args.peers.split(","), args.modes.split(",")
     if "llama.cpp" in names and args.llama_cpp_source is None:
         parser.error("the llama.cpp peer needs --llama-cpp-source (see the docstring)")
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        parser.error(f"unknown peer {unknown[0]!r}")
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    modes = args.modes.split(",")
-    with Engine.load(args.engine_dir, threads=args.threads, shared_pool=True) as engine:
-        model_dir = resolve_target(engine.manifest.target_name, None).require_path()
-        precision = engine.manifest.weights
-        peers: dict[str, Generate] = {}
-        for name in names:
-            if name == "transformers":
-                peers[name] = transformers_peer(model_dir, args.max_tokens, args.threads)
-            elif name == "ort-genai":
-                peers[f"ort-genai-{precision}"] = ort_genai_peer(model_dir, args.max_tokens, args.threads, precision, args.work)
-            elif name == "llama.cpp":
-                gguf_type = args.gguf_type or GGUF_TYPE[precision]
-                peers[f"llama.cpp-{gguf_type}"] = llama_cpp_peer(model_dir, args.max_tokens, args.threads,
-                                                                 args.llama_cpp_source, gguf_type, args.work)
-            else:
-                parser.error(f"unknown peer {name!r}")
-        for mode in modes:
-            peers[mode] = lambda ids, mode=mode: engine.generate(ids, params, spec=mode).token_ids
-        timings: dict[str, list[float]] = {name: [] for name in peers}
-        agree = {name: 0 for name in peers}
-        for generate in peers.values():  # warm-up
-            generate(engine.tokenizer.encode(rows[0]["prompt"]))
-        for _ in range(args.repeats):
-            for row in rows:
-                ids = engine.tokenizer.encode(row["prompt"])
-                outputs = {}
-                for name, generate in peers.items():
-                    started = time.perf_counter()
-                    outputs[name] = generate(ids)
-                    timings[name].append(len(outputs[name]) / (time.perf_counter() - started))
-                for name in peers:
-                    agree[name] += outputs[name] == outputs[modes[0]]
-                print(f"{row['domain']:5s} " + "  ".join(f"{n} {t[-1]:6.1f}" for n, t in timings.items()) + " tok/s",
-                      flush=True)
+    engine_dir = Path(args.engine_dir) if args.engine_dir else default_engine_dir("demo", "demo-dspark")
+    runners = [Runner("dspark", {"engine_dir": args.engine_dir, "max_tokens": args.max_tokens, "threads": args.threads,
+                                 "modes": modes})]  # builds the demo engine first when none is named
+    manifest = read_manifest(engine_dir)
+    model_dir = resolve_target(manifest.target_name, None).require_path()
+    precision = manifest.weights
+    gguf_type = args.gguf_type or GGUF_TYPE[precision]
+    labels = {"transformers": "transformers", "ort-genai": f"ort-genai-{precision}", "llama.cpp": f"llama.cpp-{gguf_type}"}
+    for name in names:
+        runners.append(Runner(name, {"model_dir": model_dir, "max_tokens": args.max_tokens, "threads": args.threads,
+                                     "precision": precision, "work": args.work, "source": args.llama_cpp_source,
+                                     "gguf_type": gguf_type, "label": labels[name]}))
+    tokenizer = ChatTokenizer.from_dir(engine_dir)
+    order = [(runner, name) for runner in runners for name in runner.names]
+    timings: dict[str, list[float]] = {name: [] for _, name in order}
+    agree = {name: 0 for _, name in order}
+    for runner, name in order:  # warm-up
+        runner.generate(name, tokenizer.encode(rows[0]["prompt"]))
+    prompts = [tokenizer.encode(row["prompt"]) for row in rows]
+    for round_ in range(args.repeats):
+        outputs: dict[str, list[list[int]]] = {}
+        for runner, name in order:
+            time.sleep(0.5)  # the previous runner's pool stops spinning
+            outputs[name] = []
+            for ids in prompts:
+                tokens, seconds = runner.generate(name, ids)
+                outputs[name].append(tokens)
+                timings[name].append(len(tokens) / seconds)
+            print(f"round {round_ + 1}: {name} {np.median(timings[name][-len(prompts):]):.1f} tok/s", flush=True)
+        for name in outputs:
+            agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[modes[0]]))
+    for runner in runners:
+        runner.close()
     medians = {name: float(np.median(values)) for name, values in timings.items()}
     print(json.dumps({
-        "engine": str(engine.folder), "weights": precision, "prompts": len(rows), "repeats": args.repeats,
+        "engine": str(engine_dir), "weights": precision, "prompts": len(rows), "repeats": args.repeats,
         "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
         "ratios": {f"{mode}_vs_{name}": round(medians[mode] / medians[name], 2)

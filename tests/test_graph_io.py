@@ -108,12 +108,15 @@ def test_the_runner_takes_exactly_the_graphs_inputs(tmp_path, target):
     from dspark_runtime.backend import open_graphs
 
     graph, _ = open_graphs(folder, read_manifest(folder), "ort", threads=1)
-    feeds = {t.name: np.zeros([d if isinstance(d, int) else 1 for d in t.shape], t.numpy_dtype) for t in graph.io.inputs
-             if t.name in graph.inputs}  # the caches are bound to the graph
-    assert set(graph.inputs) == {"input_ids", "pos", "slot", "cache_len", "logit_index"}
+    from dspark_runtime.batches import TargetBatch
+
+    one = np.zeros(1, np.int64)
+    feeds = TargetBatch(one, one, one, np.zeros(2, np.int64), one).feeds(graph.io)  # the caches are bound to the graph
+    assert set(graph.inputs) == {"input_ids", "logit_index", "slot_rows", "token_rows", "seqlens_k", "query_seqlens",
+                                 "total_length"}
     assert set(graph.run(feeds)) == {"logits"}  # the in-place ONNX Runtime graph appends to its caches itself
-    with pytest.raises(DSparkError, match=r"missing \['pos'\]"):
-        graph.run({k: v for k, v in feeds.items() if k != "pos"})
+    with pytest.raises(DSparkError, match=r"missing \['token_rows'\]"):
+        graph.run({k: v for k, v in feeds.items() if k != "token_rows"})
     with pytest.raises(DSparkError, match=r"unknown \['noise'\]"):
         graph.run(feeds | {"noise": np.zeros(1, np.float32)})
 

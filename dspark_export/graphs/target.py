@@ -6,10 +6,10 @@ inputs and outputs are the contract's (`dspark_runtime.graph_io`). Two lowerings
 - `portable` (TensorRT): attention is the `DSparkVarlenAttention` op, which TensorRT maps to its plugin; the
   new K/V of every token come out for the runtime to commit at (slot, pos);
 - `ort` (ONNX Runtime, CPU or CUDA): ONNX Runtime's fused kernels. Attention is `GroupQueryAttention` over
-  the requests padded per cache slot (right-padded chunks, `query_seqlens`), with the rotary embedding in
-  the kernel and the KV cache as a past/present buffer the kernel appends to in place; every norm after the
-  first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k and v are one projection,
-  and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape, the attention falls
+  the requests padded per cache slot (right-padded chunks, `query_seqlens`; the runtime lays the step out),
+  with the rotary embedding in the kernel and the KV cache as a past/present buffer the kernel appends to in
+  place; every norm after the first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k
+  and v are one projection, and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape, the attention falls
   back to the portable op (`attention_for`) with the rest unchanged.
 
 Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.config import Qwen3Config
@@ -67,9 +67,11 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
         if layer in feature_layers:
             taps.append(x)
     last = b.op("Gather", h, "logit_index", axis=0)  # h is normed by model.norm after the last layer
-    b.op("Cast", ops.linear(last, checkpoint.lm_head_name()), to=TensorProto.FLOAT, name="logits")
+    float32 = lambda x, name: b.op("Cast", x, to=TensorProto.FLOAT, name=name) if dtype != "float32" else \
+        b.op("Identity", x, name=name)  # noqa: E731
+    float32(ops.linear(last, checkpoint.lm_head_name()), "logits")
     if taps:
-        b.op("Cast", b.op("Concat", *taps, axis=-1) if len(taps) > 1 else taps[0], to=TensorProto.FLOAT, name="features")
+        float32(b.op("Concat", *taps, axis=-1) if len(taps) > 1 else taps[0], "features")
     store.close()
     metadata = {"dtype": dtype, "weights": weights.name, "lowering": lowering, "attention": attention,
                 "feature_layers": json.dumps(list(feature_layers)), "config": json.dumps(config.to_hf_dict())}
@@ -88,9 +90,7 @@ class TargetLayers:
             (io.cache_names("new_key"), io.cache_names("new_value"))
         hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.widths = [hq * d, hkv * d, hkv * d]
-        self.q_shape, self.kv_shape, self.flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
         if attention == "gqa":
-            self.pad = SlotPadding(b)
             positions = np.arange(cache_rows, dtype=np.float64)[:, None]
             inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d) / config.rope_factor
             angles = positions * inv_freq[None]
@@ -98,6 +98,7 @@ class TargetLayers:
             self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)
         else:
             self.cos, self.sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, ops.dtype)
+            self.q_shape, self.kv_shape, self.flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
         ops, p = self.ops, f"model.layers.{layer}."
@@ -127,62 +128,29 @@ class TargetLayers:
 
     def _attention(self, layer: int, h: str, prefix: str) -> str:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
-        b, ops = self.b, self.ops
+        b, ops, c = self.b, self.ops, self.config
         names = [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
+        keys, values = self.out[0][layer], self.out[1][layer]
+        if self.attention == "gqa":  # in the slot-padded layout: the runtime's slot_rows, token_rows, lengths
+            padded = b.op("Gather", ops.weights.linear(b, h, names), "slot_rows")  # [S, M, (Hq + 2 Hkv) D]
+            q, k, v = b.op("Split", padded, b.const(self.widths), axis=-1, outputs=3)
+            q = b.op("Reshape", ops.rms_norm(b.op("Reshape", q, b.const([0, 0, -1, c.head_dim])), prefix + "q_norm.weight"),
+                     b.const([0, 0, -1]))
+            k = b.op("Reshape", ops.rms_norm(b.op("Reshape", k, b.const([0, 0, -1, c.head_dim])), prefix + "k_norm.weight"),
+                     b.const([0, 0, -1]))
+            out = b.op("GroupQueryAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k", "total_length",
+                       self.cos, self.sin, "", "", "", "", "", "", "", "query_seqlens",
+                       names=[b.name("attention"), keys, values], domain="com.microsoft", num_heads=c.num_attention_heads,
+                       kv_num_heads=c.num_key_value_heads, do_rotary=1, scale=float(c.head_dim ** -0.5))[0]
+            return b.op("GatherND", out, "token_rows")  # the T real rows
         if self.lowering == "ort":
             q, k, v = b.op("Split", ops.weights.linear(b, h, names), b.const(self.widths), axis=-1, outputs=3)
         else:
             q, k, v = (ops.linear(h, name) for name in names)
-        q = ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight")
-        k = ops.rms_norm(b.op("Reshape", k, self.kv_shape), prefix + "k_norm.weight")
-        keys, values = self.out[0][layer], self.out[1][layer]
-        if self.attention == "gqa":
-            packed = b.op("Concat", b.op("Reshape", q, self.flat_shape), b.op("Reshape", k, b.const([0, -1])), v, axis=-1)
-            c = self.config
-            out = b.op("GroupQueryAttention", self.pad.padded(packed), "", "", self.past[0][layer], self.past[1][layer],
-                       self.pad.seqlens_k, self.pad.total, self.cos, self.sin, "", "", "", "", "", "", "",
-                       self.pad.query_seqlens, names=[b.name("attention"), keys, values], domain="com.microsoft",
-                       num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, do_rotary=1,
-                       scale=float(c.head_dim ** -0.5))[0]
-            return self.pad.unpadded(out)
-        q, k = ops.rope(q, self.cos, self.sin), ops.rope(k, self.cos, self.sin)
+        q = ops.rope(ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight"), self.cos, self.sin)
+        k = ops.rope(ops.rms_norm(b.op("Reshape", k, self.kv_shape), prefix + "k_norm.weight"), self.cos, self.sin)
         new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", b.op("Reshape", v, self.kv_shape), name=values)
         attended = b.name("attention")
         b.nodes.append(varlen_attention_node([q, new_k, new_v, self.past[0][layer], self.past[1][layer], "slot", "pos",
-                                              "cache_len"], attended, self.config.head_dim, name=f"attention_node_{layer}"))
+                                              "cache_len"], attended, c.head_dim, name=f"attention_node_{layer}"))
         return b.op("Reshape", attended, self.flat_shape)
-
-
-class SlotPadding:
-    """The flattened tokens laid out as GroupQueryAttention's batch: one row per cache slot, each slot's new
-    tokens right-padded to the step's longest (computed once per step from slot, pos and cache_len, which
-    every layer shares). A token's offset in its request is pos - cache_len (positions are contiguous). Padding
-    rows repeat token 0: the kernel neither reads them nor caches them (`query_seqlens`)."""
-
-    def __init__(self, b: GraphBuilder):
-        self.b = b
-        zero, one = b.const(0), b.const(1)
-        slots = b.op("Shape", "cache_len")  # [1]: S
-        slot_ids = b.op("Range", zero, b.op("Squeeze", slots, b.const([0])), one)  # [S]
-        member = b.op("Cast", b.op("Equal", b.op("Unsqueeze", "slot", b.const([1])), slot_ids), to=TensorProto.INT64)
-        counts = b.op("ReduceSum", member, b.const([0]), keepdims=0)  # [S] new tokens per slot
-        longest = b.op("ReduceMax", counts, b.const([0]), keepdims=1)  # [1]
-        offset = b.op("Sub", "pos", b.op("Gather", "cache_len", "slot"))  # [T]
-        self.rows = b.op("Concat", b.op("Unsqueeze", "slot", b.const([1])), b.op("Unsqueeze", offset, b.const([1])),
-                         axis=1)  # [T, 2]: each token's (slot, offset)
-        tokens = b.op("Squeeze", b.op("Shape", "slot"), b.const([0]))
-        self.index = b.op("ScatterND", b.op("ConstantOfShape", b.op("Concat", slots, longest, axis=0),
-                                            value=helper.make_tensor("zero", TensorProto.INT64, [1], [0])),
-                          self.rows, b.op("Range", zero, tokens, one))  # [S, n]: the token at each padded row
-        committed = b.op("Max", b.op("Sub", b.op("Add", "cache_len", counts), one), zero)  # an idle empty slot: 0
-        self.seqlens_k = b.op("Cast", committed, to=TensorProto.INT32)
-        self.query_seqlens = b.op("Cast", counts, to=TensorProto.INT32)
-        self.total = b.op("Cast", b.op("Add", b.op("ReduceMax", committed, keepdims=0), one), to=TensorProto.INT32)
-
-    def padded(self, x: str) -> str:
-        """[T, W] -> [S, n, W]."""
-        return self.b.op("Gather", x, self.index)
-
-    def unpadded(self, y: str) -> str:
-        """[S, n, W] -> the T real rows [T, W]."""
-        return self.b.op("GatherND", y, self.rows)

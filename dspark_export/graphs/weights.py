@@ -23,7 +23,7 @@ from dspark_export.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-               "int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int64": TensorProto.INT64}
+               "int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
 ALIGN = 64
 FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
