@@ -79,7 +79,7 @@ class OrtGraph:
                 self.binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), value)
         self.output_names = [name for name in io.output_names if not name.startswith("present_")]
         first = len(self.cache.values) if io.in_place else 0  # bound outputs come back in the order they were bound
-        self.output_slice = slice(first, first + len(self.output_names))
+        self.output_positions = range(first, first + len(self.output_names))
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if feeds.keys() != self.inputs:
@@ -91,8 +91,9 @@ class OrtGraph:
         for name in self.output_names:  # rebound every run: their shapes change with the batch
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        values = binding.get_outputs()[self.output_slice]
-        return {name: value.numpy() for name, value in zip(self.output_names, values)}
+        # the raw values: the public get_outputs() wraps every bound output, the caches too, each call
+        values = binding._iobinding.get_outputs()
+        return {name: values[index].numpy() for name, index in zip(self.output_names, self.output_positions)}
 
 
 def check_contract(session, io: GraphIO, path: Path) -> None:

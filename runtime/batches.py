@@ -51,7 +51,10 @@ class TargetBatch:
     @cached_property
     def token_rows(self) -> np.ndarray:
         """[T, 2]: each token's slot and offset among its slot's new tokens."""
-        return np.stack([self.slot, self.pos - self.cache_len[self.slot]], axis=1)
+        rows = np.empty((len(self.slot), 2), dtype=np.int64)
+        rows[:, 0] = self.slot
+        np.subtract(self.pos, self.cache_len[self.slot], out=rows[:, 1])
+        return rows
 
     @cached_property
     def slot_rows(self) -> np.ndarray:

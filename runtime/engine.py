@@ -184,7 +184,7 @@ class Engine:
         ends = set() if params.ignore_eos else set(self.manifest.eos_token_ids)
         sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed),
                             frozenset(ends | set(params.stop_token_ids)))
-        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop)
+        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream)
         request = Request(self, sequence, output, stream)
         with self._lock:
             if self._closed:

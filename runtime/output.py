@@ -26,6 +26,7 @@ class OutputState:
 
     decode: Callable[[list[int]], str]
     stop: tuple[str, ...]
+    streamed: bool = True  # False: nothing is read before the end, so without stop strings decoding waits for it
     visible: list[int] = field(default_factory=list)
     text: str = ""
     stopped: bool = False
@@ -40,7 +41,7 @@ class OutputState:
             return self.stopped
         self.visible += tokens
         start = len(self.text)
-        if self._extend(final=False):
+        if (self.streamed or self.stop) and self._extend(final=False):
             for stop in self.stop:
                 at = self.text.find(stop, max(0, start - len(stop) + 1))
                 if at >= 0:
