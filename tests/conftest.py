@@ -63,12 +63,12 @@ def write_drafter(target_folder, out, **overrides):
 
 
 def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64,
-                      flat_curve: bool = False):
+                      flat_curve: bool = False, weights: str = "fp32", accuracy_level: int = 4):
     """Positive control: with every layer's output projection zeroed, target and drafter both map a token
     to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
     A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
     `embedding_scale` sharpens both distributions (larger logits); `flat_curve` writes a stand-in
-    hardware_curve.json so that loading skips profiling."""
+    hardware_curve.json so that loading skips profiling; `weights` quantizes the target (int8, int4)."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
@@ -76,16 +76,17 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
     from dspark_export.demo.tokenizer import train_tokenizer
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
     from dspark_export.drafters.config import DrafterConfig
+    from dspark_export.graphs.weights import WeightFormat
     from dspark_export.presets import resolve_target
 
     target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=context, tie_word_embeddings=True)
     train_tokenizer(TEXT, target, vocab_size=300)
-    weights = load_file(target / "model.safetensors")
-    for name in weights:
+    tensors = load_file(target / "model.safetensors")
+    for name in tensors:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name].zero_()
-    weights["model.embed_tokens.weight"] *= embedding_scale
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+            tensors[name].zero_()
+    tensors["model.embed_tokens.weight"] *= embedding_scale
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     drafter_dir = write_drafter(target, root / "drafter", gamma=3)
     drafter = build_drafter(DrafterConfig.from_dir(drafter_dir))
     torch.manual_seed(0)
@@ -97,7 +98,7 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
                 param.normal_(0, markov_scale) if markov_scale else param.zero_()
     save_drafter(drafter, drafter_dir)
     engine_dir = build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
-                              show_progress=False)
+                              show_progress=False, weights=WeightFormat(weights, accuracy_level=accuracy_level))
     if flat_curve:
         curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
         (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))

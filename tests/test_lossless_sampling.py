@@ -1,6 +1,8 @@
 """Sampling through the engine is lossless: the joint distribution of the first two generated tokens under
 speculative decoding matches the target's exact distribution (chi-square), and a deliberately wrong
-verifier (resampling from p instead of the residual on rejection) fails the same test."""
+verifier (resampling from p instead of the residual on rejection) fails the same test. The target is the
+engine's own target graph run alone (float32 weights, and block-quantized int4 ones: the quantized model is
+the target)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ import numpy as np
 import pytest
 
 from dspark_runtime import Engine, SamplingParams
+from dspark_runtime.backend import open_graphs
+from dspark_runtime.batches import TargetBatch
+from dspark_runtime.engine_dir import read_manifest
 from dspark_runtime.sampling import target_rows
 
 torch = pytest.importorskip("torch")
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from dspark_export.checkpoint import Checkpoint  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
-from dspark_export.model import Qwen3Model  # noqa: E402
 from tests.conftest import build_echo_engine  # noqa: E402
 
 SAMPLES = 3000
@@ -28,27 +30,31 @@ SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
             "T1-topk20": SamplingParams(max_tokens=3, temperature=1.0, top_k=20, ignore_eos=True)}
 
 
-@pytest.fixture(scope="module")
-def skewed_engine_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fp32", "int4"])
+def skewed_engine_dir(tmp_path_factory, request):
     """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p."""
-    return build_echo_engine(tmp_path_factory.mktemp("skewed"), markov_scale=0.3, embedding_scale=4.0)
+    return build_echo_engine(tmp_path_factory.mktemp(f"skewed-{request.param}"), markov_scale=0.3, embedding_scale=4.0,
+                             weights=request.param)
 
 
 def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
-    folder = engine_dir.parent / "target"
-    model = Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), "float32")
-    history = np.asarray(prompt_ids)
-    with torch.no_grad():
-        first = target_rows(model(torch.tensor([prompt_ids])).logits[0, -1:].numpy(), history, np.zeros(0, np.int64), params)[0]
-        support = np.flatnonzero(first)
-        batch = torch.tensor([prompt_ids + [int(y1)] for y1 in support])
-        last = model(batch).logits[:, -1].numpy()  # every continuation's next-token logits in one forward
-        joint = {}
-        for y1, logits in zip(support, last):
-            ids = np.asarray(prompt_ids + [int(y1)])
-            second = target_rows(logits[None], ids, np.zeros(0, np.int64), params)[0]
-            for y2 in np.flatnonzero(second):
-                joint[(int(y1), int(y2))] = first[y1] * second[y2]
+    """The target graph's own distribution of the first two tokens: a prefill of the prompt, then of each
+    continuation the first token can take."""
+    target, _ = open_graphs(engine_dir, read_manifest(engine_dir), "ort", threads=1)
+    slots = read_manifest(engine_dir).cache_slots
+
+    def last_logits(ids: list[int]) -> np.ndarray:
+        batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(slots, np.int64),
+                            np.asarray([len(ids) - 1]))
+        return target.run(batch.feeds(target.io))["logits"]
+
+    first = target_rows(last_logits(prompt_ids), np.asarray(prompt_ids), np.zeros(0, np.int64), params)[0]
+    joint = {}
+    for y1 in np.flatnonzero(first):
+        ids = prompt_ids + [int(y1)]
+        second = target_rows(last_logits(ids), np.asarray(ids), np.zeros(0, np.int64), params)[0]
+        for y2 in np.flatnonzero(second):
+            joint[(int(y1), int(y2))] = first[y1] * second[y2]
     return joint
 
 

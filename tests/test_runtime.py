@@ -273,3 +273,20 @@ def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engi
     with Engine.load(echo_engine_dir, threads=1) as engine:
         expected = engine.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0), spec="fixed:3").text
     assert json.loads(run.stdout.strip().splitlines()[-1])["text"] == expected
+
+
+@pytest.mark.parametrize("weights, accuracy_level", [("int4", 0), ("int8", 0), ("int4", 4)])
+def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
+    """Greedy speculation on a block-quantized engine equals that engine's own target-only output."""
+    from dspark_export.graphs.weights import WeightFormat
+
+    target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)
+    train_tokenizer(TEXT, target, vocab_size=300)
+    drafter = write_drafter(target, tmp_path / "drafter", gamma=3)
+    folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "drafter", cache_slots=4,
+                          max_batch_tokens=32, show_progress=False, weights=WeightFormat(weights, 16, accuracy_level))
+    with Engine.load(folder, threads=1) as engine:
+        plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
+        for spec in ("fixed:1", "fixed:3", "async"):
+            handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]
+            assert [h.result().token_ids for h in handles] == plain, spec
