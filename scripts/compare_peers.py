@@ -177,6 +177,8 @@ def main() -> None:
                         help="GGUF precision (default: the engine's)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers",
                         help="where converted peer models go")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="the Hugging Face folder the engine was built from (default: its named target's)")
     args = parser.parse_args()
 
     from dspark_export.build import default_engine_dir
@@ -197,7 +199,7 @@ def main() -> None:
     runners = [Runner("dspark", {"engine_dir": args.engine_dir, "max_tokens": args.max_tokens, "threads": args.threads,
                                  "modes": modes})]  # builds the demo engine first when none is named
     manifest = read_manifest(engine_dir)
-    model_dir = resolve_target(manifest.target_name, None).require_path()
+    model_dir = args.checkpoint or resolve_target(manifest.target_name, None).require_path()
     precision = manifest.weights
     gguf_type = args.gguf_type or GGUF_TYPE[precision]
     labels = {"transformers": "transformers", "ort-genai": f"ort-genai-{precision}", "llama.cpp": f"llama.cpp-{gguf_type}"}

@@ -39,28 +39,30 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
     cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
     context_count = b.op("Shape", "context_pos")
-    split = b.op("Concat", context_count, b.op("Shape", block_pos), axis=0)
-    (cos_ctx, cos_blk), (sin_ctx, sin_blk) = (b.op("Split", c, split, axis=0, outputs=2) for c in (cos, sin))
+    end = b.const([np.iinfo(np.int64).max])
+    cos_blk, sin_blk = (b.op("Slice", c, context_count, end, b.const([0])) for c in (cos, sin))
     query_pad = b.op("ConstantOfShape", b.op("Concat", context_count, b.const([hq, d]), axis=0),
                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
     new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
+    widths = [hq * d, hkv * d, hkv * d]
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
         attn = p + "self_attn."
-        k_ctx = ops.projected_heads(context, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_ctx, sin_ctx)
-        v_ctx = b.op("Reshape", ops.linear(context, attn + "v_proj.weight"), kv_shape)
-        new_k, new_v = b.op("Identity", k_ctx, name=new_keys[layer]), b.op("Identity", v_ctx, name=new_values[layer])
         h = ops.rms_norm(x, p + "input_layernorm.weight")
-        q = ops.projected_heads(h, attn + "q_proj.weight", attn + "q_norm.weight", q_shape, cos_blk, sin_blk)
-        k = ops.projected_heads(h, attn + "k_proj.weight", attn + "k_norm.weight", kv_shape, cos_blk, sin_blk)
-        v = b.op("Reshape", ops.linear(h, attn + "v_proj.weight"), kv_shape)
+        # one projection of [context; block] rows: the context rows give only keys and values (q of them is unused)
+        q, k, v = ops.qkv(b.op("Concat", context, h, axis=0), attn, widths)
+        k = ops.rope(ops.rms_norm(b.op("Reshape", k, kv_shape), attn + "k_norm.weight"), cos, sin)
+        v = b.op("Reshape", v, kv_shape)
+        for name, rows in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
+            b.op("Slice", rows, b.const([0]), context_count, b.const([0]), name=name)
+        q = b.op("Slice", q, context_count, end, b.const([0]))
+        q = ops.rope(ops.rms_norm(b.op("Reshape", q, q_shape), attn + "q_norm.weight"), cos_blk, sin_blk)
         attended_all = f"attention_{layer}"
         b.nodes.append(varlen_attention_node(
-            [b.op("Concat", query_pad, q, axis=0), b.op("Concat", new_k, k, axis=0), b.op("Concat", new_v, v, axis=0),
-             past_keys[layer], past_values[layer], all_slot, all_pos, "cache_len"], attended_all, d, bidirectional=True,
-            name=f"attention_node_{layer}"))
-        attended = b.op("Slice", attended_all, context_count, b.const([np.iinfo(np.int64).max]), b.const([0]))
+            [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,
+             "cache_len"], attended_all, d, bidirectional=True, name=f"attention_node_{layer}"))
+        attended = b.op("Slice", attended_all, context_count, end, b.const([0]))
         x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
         h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
         x = b.op("Add", x, ops.swiglu(h, p + "mlp."))

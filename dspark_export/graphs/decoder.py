@@ -27,16 +27,21 @@ class DecoderOps:
     def linear(self, x: str, weight_name: str) -> str:
         return self.weights.linear(self.b, x, weight_name)
 
-    def projected_heads(self, x: str, weight_name: str, norm_name: str, shape: str, cos: str, sin: str) -> str:
-        """A Qwen3 query or key: x·Wᵀ split into heads (`shape`), RMS-normed per head, rotated."""
-        return self.rope(self.rms_norm(self.b.op("Reshape", self.linear(x, weight_name), shape), norm_name), cos, sin)
-
     def swiglu(self, x: str, prefix: str) -> str:
-        """The MLP: down(silu(gate(x)) · up(x)) with weights `{prefix}gate_proj.weight` etc."""
+        """The MLP: down(silu(gate(x)) · up(x)), gate and up as one projection (`{prefix}gate_proj.weight` etc.)."""
         b = self.b
-        gate = self.linear(x, prefix + "gate_proj.weight")
-        return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), self.linear(x, prefix + "up_proj.weight")),
-                           prefix + "down_proj.weight")
+        both = self.weights.linear(b, x, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+        gate, up = b.op("Split", both, axis=-1, num_outputs=2, outputs=2)
+        return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up), prefix + "down_proj.weight")
+
+    def qkv(self, x: str, prefix: str, widths: list[int], layout: str | None = None) -> list[str]:
+        """q, k and v of a Qwen3 attention layer (`{prefix}q_proj.weight` etc.) from one projection of x's rows,
+        re-laid out by the index `layout` when given (after the projection, so padding costs no matmul rows)."""
+        names = [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
+        projected = self.weights.linear(self.b, x, names)
+        if layout is not None:
+            projected = self.b.op("Gather", projected, layout)
+        return self.b.op("Split", projected, self.b.const(widths), axis=-1, outputs=3)
 
     def rope(self, x: str, cos: str, sin: str) -> str:
         """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""

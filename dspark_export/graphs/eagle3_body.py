@@ -33,9 +33,10 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
         x = b.op("Concat", ops.rms_norm(ops.weights.embedding(b, token_ids, "embed_tokens.weight"), "embed_norm.weight"),
                  ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
         cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
-        q = ops.projected_heads(x, "q_proj.weight", "q_norm.weight", q_shape, cos, sin)
-        k = ops.projected_heads(x, "k_proj.weight", "k_norm.weight", kv_shape, cos, sin)
-        return q, k, b.op("Reshape", ops.linear(x, "v_proj.weight"), kv_shape)
+        q, k, v = ops.qkv(x, "", [hq * d, hkv * d, hkv * d])
+        q = ops.rope(ops.rms_norm(b.op("Reshape", q, q_shape), "q_norm.weight"), cos, sin)
+        k = ops.rope(ops.rms_norm(b.op("Reshape", k, kv_shape), "k_norm.weight"), cos, sin)
+        return q, k, b.op("Reshape", v, kv_shape)
 
     def finish(attended: str, residual: str) -> str:
         x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), "o_proj.weight"))

@@ -106,7 +106,7 @@ class TargetLayers:
         h, x = self._add_norm(x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight")
         last = layer == self.config.num_hidden_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
-        return self._add_norm(x, self._mlp(h, p + "mlp."), next_norm)
+        return self._add_norm(x, ops.swiglu(h, p + "mlp."), next_norm)
 
     def _add_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
         """(RMSNorm(x + delta) · weight, x + delta)."""
@@ -118,22 +118,12 @@ class TargetLayers:
         total = b.op("Add", x, delta)
         return ops.rms_norm(total, weight), total
 
-    def _mlp(self, h: str, prefix: str) -> str:
-        b, ops = self.b, self.ops
-        if self.lowering == "portable":
-            return ops.swiglu(h, prefix)
-        gate, up = b.op("Split", ops.weights.linear(b, h, [prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
-                        b.const([self.config.intermediate_size] * 2), axis=-1, outputs=2)
-        return ops.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up), prefix + "down_proj.weight")
-
     def _attention(self, layer: int, h: str, prefix: str) -> str:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
         b, ops, c = self.b, self.ops, self.config
-        names = [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
         keys, values = self.out[0][layer], self.out[1][layer]
         if self.attention == "gqa":  # in the slot-padded layout: the runtime's slot_rows, token_rows, lengths
-            padded = b.op("Gather", ops.weights.linear(b, h, names), "slot_rows")  # [S, M, (Hq + 2 Hkv) D]
-            q, k, v = b.op("Split", padded, b.const(self.widths), axis=-1, outputs=3)
+            q, k, v = ops.qkv(h, prefix, self.widths, layout="slot_rows")  # [S, M, ...]
             q = b.op("Reshape", ops.rms_norm(b.op("Reshape", q, b.const([0, 0, -1, c.head_dim])), prefix + "q_norm.weight"),
                      b.const([0, 0, -1]))
             k = b.op("Reshape", ops.rms_norm(b.op("Reshape", k, b.const([0, 0, -1, c.head_dim])), prefix + "k_norm.weight"),
@@ -143,10 +133,7 @@ class TargetLayers:
                        names=[b.name("attention"), keys, values], domain="com.microsoft", num_heads=c.num_attention_heads,
                        kv_num_heads=c.num_key_value_heads, do_rotary=1, scale=float(c.head_dim ** -0.5))[0]
             return b.op("GatherND", out, "token_rows")  # the T real rows
-        if self.lowering == "ort":
-            q, k, v = b.op("Split", ops.weights.linear(b, h, names), b.const(self.widths), axis=-1, outputs=3)
-        else:
-            q, k, v = (ops.linear(h, name) for name in names)
+        q, k, v = ops.qkv(h, prefix, self.widths)
         q = ops.rope(ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight"), self.cos, self.sin)
         k = ops.rope(ops.rms_norm(b.op("Reshape", k, self.kv_shape), prefix + "k_norm.weight"), self.cos, self.sin)
         new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", b.op("Reshape", v, self.kv_shape), name=values)
