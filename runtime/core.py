@@ -19,9 +19,11 @@ from dspark_calibration.sts import prefix_survival
 from dspark_runtime.backend import OrtGraph
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.engine_dir import Manifest
+from dspark_runtime.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
 from dspark_runtime.sampling import target_rows
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
+from dspark_runtime.randomness import EMIT
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
@@ -109,7 +111,7 @@ class EngineCore:
         if not self.target.io.in_place:
             self.target.cache.write(batch.slot, batch.pos, outputs)
         for row in rows:
-            self._advance(row, outputs)
+            self._isolated(row.sequence, self._advance, row, outputs)
         self._draft(self._gated([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None]))
         for sequence in [s for s in self.active if s.finish_reason is not None]:
             self.release(sequence)
@@ -207,7 +209,8 @@ class EngineCore:
             s.target_len = s.prefilled
             if row.logit_count:
                 processed = target_rows(logits, s.penalty_history, np.zeros(0, np.int64), s.params)
-                token = int(np.argmax(processed[0])) if s.params.greedy else sample(processed[0], s.rng)
+                greedy = s.params.greedy
+                token = int(np.argmax(processed[0])) if greedy else sample(processed[0], s.random.uniform(s.target_len, EMIT))
                 self._commit(s, [token])
             return
         drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
@@ -215,9 +218,11 @@ class EngineCore:
         if s.params.greedy:
             accepted, token = verify_greedy(processed.argmax(-1), drafts)
         elif row.drafts == 0:
-            accepted, token = 0, sample(processed[0], s.rng)
+            accepted, token = 0, sample(processed[0], s.random.uniform(s.target_len + 1, EMIT))
         else:
-            accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts, s.rng)
+            first = s.target_len + 1  # the position the first draft proposes
+            accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts,
+                                             lambda k, purpose: s.random.uniform(first + k, purpose))
         if self.round_log is not None and row.drafts == self.gamma and s.confidence_logits is not None:
             self.round_log.append((s.request_id, s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
         if row.drafts:
@@ -260,11 +265,11 @@ class EngineCore:
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
         for s in self.active:
             cache_len[s.slot] = s.drafter_len
-        batch = DraftBatch([DraftRequest(
-            slot=s.slot, anchor=s.anchor, anchor_pos=s.target_len, context_start=s.drafter_len,
-            features=np.concatenate(s.pending_features), next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
-            temperature=s.params.temperature, noise=s.rng.uniform(1e-12, 1.0, self.gamma).clip(1e-12, 1 - 1e-7),
-        ) for s in sequences], cache_len)
+        prepared = [(s, self._isolated(s, self._draft_request, s)) for s in sequences]
+        sequences = [s for s, request in prepared if request is not None]
+        if not sequences:
+            return
+        batch = DraftBatch([request for _, request in prepared if request is not None], cache_len)
         outputs = self._timed("drafter", self.drafter.run, batch.feeds(self.drafter.io))
         if not self.drafter.io.in_place:
             self.drafter.cache.write(batch.context_slot, batch.context_pos, outputs)
@@ -275,6 +280,21 @@ class EngineCore:
             s.survival = self._survival(s.confidence_logits, s.params.temperature)
             s.drafter_len = s.target_len
             s.pending_features = []
+
+    def _draft_request(self, s: Sequence) -> DraftRequest:
+        return DraftRequest(
+            slot=s.slot, anchor=s.anchor, anchor_pos=s.target_len, context_start=s.drafter_len,
+            features=np.concatenate(s.pending_features), next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
+            temperature=s.params.temperature, noise=s.random.draft_noise(s.target_len + 1, self.gamma).clip(1e-12, 1 - 1e-7))
+
+    def _isolated(self, sequence: Sequence, work: Callable[..., Result], *args) -> Result | None:
+        """`work(*args)` for one request; an exception it raises fails that request alone (finish "error")."""
+        try:
+            return work(*args)
+        except Exception as exc:  # the request's own fault: the batch and the engine go on
+            sequence.error = DSparkError(f"request failed: {type(exc).__name__}: {exc}")
+            self.finish(sequence, "error")
+            return None
 
     # ---- finishing ------------------------------------------------------------------------------
     def finish(self, sequence: Sequence, reason: str) -> None:

@@ -7,7 +7,6 @@ from other threads are batched into the same steps.
 from __future__ import annotations
 
 import json
-import queue
 import sys
 import threading
 from contextlib import contextmanager
@@ -23,11 +22,12 @@ from dspark_runtime.core import EngineCore
 from dspark_runtime.engine_dir import HARDWARE_CURVE, read_calibration, read_manifest, sts_by_temperature
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
+from dspark_runtime.randomness import KeyedRandom
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.spec_mode import SpecMode
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_runtime.tokenizer import ChatTokenizer, chat_messages, checked_text
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -43,25 +43,44 @@ class Completion:
 
 class Request:
     """A submitted request: iterate it for deltas, `result()` for the whole completion, `cancel()` to stop. A
-    request submitted with `stream=False` gets one delta, at its end."""
+    request submitted with `stream=False` gets one delta, at its end. Iterating again, from any thread, replays
+    the deltas from the first; `result()` may be called any number of times."""
 
     def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState, stream: bool = True):
         self.engine, self.sequence, self.output, self.stream = engine, sequence, output, stream
-        self.events: queue.Queue[Delta | Exception] = queue.Queue()
-        self.done = threading.Event()
+        self._changed = threading.Condition()
+        self._deltas: list[Delta] = []
+        self._error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._error is not None or bool(self._deltas and self._deltas[-1].finish_reason)
 
     def cancel(self) -> None:
         self.sequence.cancelled = True
         self.engine._wake()
 
-    def __iter__(self) -> Iterator[Delta]:
-        while True:
-            event = self.events.get()
+    def _deliver(self, event: Delta | Exception) -> None:
+        """The step loop's side: one more delta, or the error that ended the request."""
+        with self._changed:
             if isinstance(event, Exception):
-                raise event
-            yield event
-            if event.finish_reason is not None:
-                return
+                self._error = event
+            else:
+                self._deltas.append(event)
+            self._changed.notify_all()
+
+    def __iter__(self) -> Iterator[Delta]:
+        index = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: index < len(self._deltas) or self.done)
+                if index == len(self._deltas):
+                    if self._error is not None:
+                        raise self._error
+                    return
+                delta = self._deltas[index]
+            index += 1
+            yield delta
 
     def result(self) -> Completion:
         for _ in self:
@@ -164,8 +183,16 @@ class Engine:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
                truncate: bool = False, stream: bool = True) -> Request:
         """Queue a request; it starts as soon as a cache slot is free. `stream=False` delivers its text in one
-        delta at the end (no per-step work for a caller that only wants the result)."""
-        params = params or SamplingParams()
+        delta at the end (no per-step work for a caller that only wants the result). Anything wrong with the
+        request raises `InvalidRequestError` here, before it is queued."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if spec is not None and not isinstance(spec, str):
+            raise InvalidRequestError(f"spec must be a string such as 'async' or 'fixed:4', not {type(spec).__name__}")
+        invalid = [t for t in params.stop_token_ids if t >= self.manifest.vocab_size]
+        if invalid:
+            raise InvalidRequestError(f"stop_token_ids must lie in [0, {self.manifest.vocab_size}) (got {invalid[0]})")
         mode = SpecMode.parse(spec, self.gamma, scheduled=self.has_speed_curve)
         if mode.drafting and not self.gamma:
             raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
@@ -182,7 +209,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
         ends = set() if params.ignore_eos else set(self.manifest.eos_token_ids)
-        sequence = Sequence(next(self._ids), ids, params, mode, np.random.default_rng(seed),
+        sequence = Sequence(next(self._ids), ids, params, mode, KeyedRandom(seed),
                             frozenset(ends | set(params.stop_token_ids)))
         output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream)
         request = Request(self, sequence, output, stream)
@@ -220,10 +247,10 @@ class Engine:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
-        if all(isinstance(t, (int, np.integer)) for t in prompt):
+            return self.tokenizer.encode(checked_text(prompt, "the prompt"))
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.manifest.vocab_size for t in ids):
                 raise InvalidRequestError(f"token ids must lie in [0, {self.manifest.vocab_size})")
@@ -276,11 +303,11 @@ class Engine:
             with self._lock:
                 self._requests.pop(sequence.request_id, None)
         if sequence.error is not None:
-            request.events.put(sequence.error)
+            request._deliver(sequence.error)
             return
         delta = request.output.take(sequence.finish_reason)
         if delta is not None:
-            request.events.put(delta)
+            request._deliver(delta)
 
     def shutdown(self) -> None:
         """Cancel what is queued or running, stop the loop; later submissions raise."""

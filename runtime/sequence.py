@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dspark_runtime.randomness import KeyedRandom
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.spec_mode import SpecMode
 
@@ -41,7 +42,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     spec: SpecMode
-    rng: np.random.Generator
+    random: KeyedRandom  # the request's uniforms, by position
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: end-of-text (unless ignored), stop_token_ids
     slot: int = -1
     prefilled: int = 0  # prompt positions already run through the target

@@ -123,3 +123,39 @@ class ChatTokenizer:
 
 def _optional_json(path: Path) -> dict[str, Any]:
     return read_json_file(path, TokenizerError) if path.is_file() else {}
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def checked_text(text: str, what: str) -> str:
+    """`text` if it is encodable text (no lone surrogates), else an InvalidRequestError naming `what`."""
+    from dspark_runtime.sampling import InvalidRequestError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{what} is not valid Unicode text (a lone surrogate)") from None
+    return text
+
+
+def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the template wants them: a role and a string content (a list of text parts, as
+    OpenAI clients send, is joined; None is empty). Anything else is an InvalidRequestError."""
+    from dspark_runtime.sampling import InvalidRequestError
+
+    out = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise InvalidRequestError(f"message {number} needs a role: one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise InvalidRequestError(f"message {number}: content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidRequestError(f"message {number}: content must be a string or a list of text parts")
+        out.append({**message, "content": checked_text(content, f"message {number}'s content")})
+    return out

@@ -5,17 +5,24 @@ draft distribution q_k, is accepted with probability min(1, p_k(x_k) / q_k(x_k))
 target's *processed* distribution at that position. At the first rejection the emitted token is
 drawn from the residual norm(max(0, p_k - q_k)); when every draft passes, a bonus token is drawn
 from p_{ℓ+1}. The emitted sequence then has exactly the target's distribution, whatever q is.
+Randomness comes in as `uniform(k, purpose)`: the uniform deciding offset k for ACCEPT or EMIT.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+from dspark_runtime.randomness import ACCEPT, EMIT
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a probability vector (inverse CDF: one uniform draw)."""
+Uniform = Callable[[int, int], float]  # (offset among the verified positions, purpose) -> a uniform in (0, 1)
+
+
+def sample(probs: np.ndarray, u: float) -> int:
+    """One token from a probability vector, by inverse CDF at the uniform u."""
     cdf = np.cumsum(probs, dtype=np.float64)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(probs) - 1))
 
 
 def residual(target_probs: np.ndarray, draft_probs: np.ndarray) -> np.ndarray:
@@ -26,22 +33,22 @@ def residual(target_probs: np.ndarray, draft_probs: np.ndarray) -> np.ndarray:
 
 
 def verify_sampled(target_probs: np.ndarray, draft_probs: np.ndarray, draft_tokens: np.ndarray,
-                   rng: np.random.Generator) -> tuple[int, int]:
+                   uniform: Uniform) -> tuple[int, int]:
     """Chain rejection sampling.
 
     Args:
         target_probs: [ℓ+1, V] processed target distributions at the ℓ draft positions and the bonus position.
         draft_probs: [ℓ, V] the distributions the drafts were sampled from.
         draft_tokens: [ℓ] the drafts.
-        rng: the request's generator.
+        uniform: the request's uniforms, by offset and purpose.
     Returns:
         (accepted, token): how many drafts are kept, and the token emitted after them.
     """
     for k, token in enumerate(draft_tokens):
         p, q = float(target_probs[k, token]), float(draft_probs[k, token])
-        if q <= 0.0 or rng.random() * q >= p:  # accept with probability min(1, p / q)
-            return k, sample(residual(target_probs[k], draft_probs[k]), rng)
-    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+        if q <= 0.0 or uniform(k, ACCEPT) * q >= p:  # accept with probability min(1, p / q)
+            return k, sample(residual(target_probs[k], draft_probs[k]), uniform(k, EMIT))
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), EMIT))
 
 
 def verify_greedy(target_tokens: np.ndarray, draft_tokens: np.ndarray) -> tuple[int, int]:

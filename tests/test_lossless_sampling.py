@@ -26,14 +26,14 @@ from tests.conftest import build_echo_engine  # noqa: E402
 SAMPLES = 3000
 # three tokens, so that the second is produced by verifying a draft (a last token needs no draft)
 SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
-            "T0.7-topp0.9": SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, ignore_eos=True),
+            "T1-topp0.9": SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, ignore_eos=True),
             "T1-topk20": SamplingParams(max_tokens=3, temperature=1.0, top_k=20, ignore_eos=True)}
 
 
 @pytest.fixture(scope="module", params=["fp32", "int4"])
 def skewed_engine_dir(tmp_path_factory, request):
     """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p."""
-    return build_echo_engine(tmp_path_factory.mktemp(f"skewed-{request.param}"), markov_scale=0.3, embedding_scale=4.0,
+    return build_echo_engine(tmp_path_factory.mktemp(f"skewed-{request.param}"), markov_scale=0.3, embedding_scale=5.0,
                              weights=request.param)
 
 
@@ -96,11 +96,11 @@ def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engi
         import dspark_runtime.core as core
         from dspark_runtime.verify import sample
 
-        def no_residual(target_probs, draft_probs, draft_tokens, rng):
+        def no_residual(target_probs, draft_probs, draft_tokens, uniform):
             for k, token in enumerate(draft_tokens):
-                if rng.random() * draft_probs[k, token] >= target_probs[k, token]:
-                    return k, sample(target_probs[k], rng)  # wrong: should be the residual
-            return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+                if uniform(k, 0) * draft_probs[k, token] >= target_probs[k, token]:
+                    return k, sample(target_probs[k], uniform(k, 1))  # wrong: should be the residual
+            return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
 
         monkeypatch.setattr(core, "verify_sampled", no_residual)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) < 1e-6

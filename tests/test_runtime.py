@@ -102,13 +102,27 @@ def test_queueing_and_cancellation_return_every_slot(engine):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), r"temperature must be in \[0, inf\)"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=True), "temperature must be a finite number"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(max_tokens=0), r"max_tokens must be in \[1, "),
+    (dict(max_tokens=10**5000), "max_tokens must be in .* an integer of 16610 bits"),
+    (dict(max_tokens=12.0), "max_tokens must be an integer"),
+    (dict(top_k=float("inf")), "top_k must be an integer"),
+    (dict(seed=-1), r"seed must be in \[0, "),
+    (dict(stop=(1,)), "stop must be a string or a list of non-empty strings"),
+    (dict(stop=("",)), "stop must be a string or a list of non-empty strings"),
+    (dict(stop_token_ids=(None,)), "stop_token_ids must be a list of non-negative integers"),
+    (dict(presence_penalty=float("nan"), min_p=2.0), "min_p must be in .*; presence_penalty must be a finite number"),
 ])
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_below_the_floor_is_greedy():
+    assert SamplingParams(temperature=1e-320).greedy and not SamplingParams(temperature=1e-3).greedy
 
 
 def test_bad_requests_fail_alone(engine):
@@ -290,3 +304,63 @@ def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
         for spec in ("fixed:1", "fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]
             assert [h.result().token_ids for h in handles] == plain, spec
+
+
+def test_a_request_that_fails_in_the_step_loop_fails_alone(engine, monkeypatch):
+    """One request's fault (here: its target rows raise) ends that request with an error; the others in the
+    same batch finish token for token as they would alone."""
+    import dspark_runtime.core as core
+
+    alone = {p: engine.generate(p, GREEDY, spec="fixed:3").token_ids for p in PROMPTS[:3]}
+    original = core.target_rows
+
+    def faulty(logits, history, drafts, params):
+        if params.seed == 666:
+            raise ValueError("boom")
+        return original(logits, history, drafts, params)
+
+    monkeypatch.setattr(core, "target_rows", faulty)
+    handles = {p: engine.submit(p, GREEDY, spec="fixed:3") for p in PROMPTS[:3]}
+    bad = engine.submit("Hello", SamplingParams(max_tokens=24, temperature=0.0, seed=666), spec="fixed:3")
+    assert {p: h.result().token_ids for p, h in handles.items()} == alone
+    with pytest.raises(Exception, match="request failed: ValueError: boom"):
+        bad.result()
+    assert bad.sequence.finish_reason == "error" and engine.status()["free_slots"] == 4
+
+
+@pytest.mark.parametrize("spec", ["off", "fixed:3"])
+def test_a_seed_gives_the_same_text_whatever_runs_beside_it(engine, spec):
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    alone = engine.generate("Hello", params, spec=spec).token_ids
+    crowd = [engine.submit(p, SamplingParams(max_tokens=20, temperature=1.0, seed=s), spec=spec)
+             for s, p in enumerate(PROMPTS)]
+    same = [engine.submit("Hello", params, spec=spec) for _ in range(3)]
+    assert [h.result().token_ids for h in same] == [alone] * 3
+    assert all(h.result().finish_reason for h in crowd)
+
+
+def test_results_and_iteration_can_be_repeated(engine):
+    request = engine.submit("Hello", GREEDY, spec="fixed:3")
+    first = request.result()
+    assert request.result() == first
+    assert "".join(d.text for d in request) == "".join(d.text for d in request) == first.text
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.generate(5), "a prompt is a string"),
+    (lambda e: e.generate("x", {"max_tokens": 3}), "params must be a SamplingParams"),
+    (lambda e: e.generate("x", GREEDY, spec=5), "spec must be a string"),
+    (lambda e: e.generate("\ud800", GREEDY), "not valid Unicode"),
+    (lambda e: e.chat([{"role": "user", "content": 5}], GREEDY), "content must be a string or a list of text parts"),
+    (lambda e: e.chat([{"content": "hi"}], GREEDY), "needs a role"),
+    (lambda e: e.generate("x", SamplingParams(stop_token_ids=(10**6,))), "stop_token_ids must lie in"),
+])
+def test_wrong_arguments_are_clear_errors(engine, call, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        call(engine)
+
+
+def test_chat_content_parts_are_joined(engine):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    plain = [{"role": "user", "content": "Hello there"}]
+    assert engine.chat(parts, GREEDY).token_ids == engine.chat(plain, GREEDY).token_ids

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.verify import residual, verify_greedy, verify_sampled
+from dspark_runtime.randomness import ACCEPT, EMIT, KeyedRandom
+from dspark_runtime.verify import residual, sample, verify_greedy, verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -45,16 +46,16 @@ DRAFT_1 = np.array([0.2, 0.2, 0.6])
 DRAFT_2 = np.array([[0.4, 0.4, 0.2], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2]])
 
 
-def reject_from_target(target_probs, draft_probs, draft_tokens, rng):
+def reject_from_target(target_probs, draft_probs, draft_tokens, uniform):
     """Accepts with min(1, p/q) but resamples from p itself on rejection (the classic bug)."""
     for k, token in enumerate(draft_tokens):
-        if rng.random() * draft_probs[k, token] >= target_probs[k, token]:
-            return k, int(rng.choice(V, p=target_probs[k]))
-    return len(draft_tokens), int(rng.choice(V, p=target_probs[len(draft_tokens)]))
+        if uniform(k, ACCEPT) * draft_probs[k, token] >= target_probs[k, token]:
+            return k, sample(target_probs[k], uniform(k, EMIT))
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), EMIT))
 
 
-def always_accept(target_probs, draft_probs, draft_tokens, rng):
-    return len(draft_tokens), int(rng.choice(V, p=target_probs[len(draft_tokens)]))
+def always_accept(target_probs, draft_probs, draft_tokens, uniform):
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), EMIT))
 
 
 def first_two_tokens(verifier, samples: int, seed: int) -> np.ndarray:
@@ -65,7 +66,8 @@ def first_two_tokens(verifier, samples: int, seed: int) -> np.ndarray:
         d1 = rng.choice(V, p=DRAFT_1)
         d2 = rng.choice(V, p=DRAFT_2[d1])
         target_probs = np.stack([TARGET_1, TARGET_2[d1], np.full(V, 1 / V)])
-        accepted, token = verifier(target_probs, np.stack([DRAFT_1, DRAFT_2[d1]]), np.array([d1, d2]), rng)
+        accepted, token = verifier(target_probs, np.stack([DRAFT_1, DRAFT_2[d1]]), np.array([d1, d2]),
+                                   lambda k, purpose: rng.random())
         if accepted == 0:  # a new round would draft the second token given the first
             second = rng.choice(V, p=TARGET_2[token])
             counts[token, second] += 1
@@ -102,3 +104,12 @@ def test_truncation_rules_row_by_row_and_batched():
         assert np.allclose(rows, np.stack([truncated_distribution(row, params) for row in batch])), options
     sharp = truncated_distribution(logits, SamplingParams(temperature=0.5))
     assert np.allclose(sharp, np.array([16, 9, 4, 1]) / 30)
+
+
+def test_keyed_uniforms_depend_on_seed_position_and_purpose_only():
+    a, b = KeyedRandom(7), KeyedRandom(7)
+    assert a.uniform(12, ACCEPT) == b.uniform(12, ACCEPT) != a.uniform(12, EMIT) != a.uniform(13, EMIT)
+    assert a.uniform(12, ACCEPT) != KeyedRandom(8).uniform(12, ACCEPT)
+    values = np.array([a.uniform(p, EMIT) for p in range(20_000)])
+    assert 0 < values.min() and values.max() < 1 and scipy_stats.kstest(values, "uniform").pvalue > 1e-3
+    assert np.array_equal(a.draft_noise(5, 3), [a.uniform(p, 2) for p in (5, 6, 7)])
