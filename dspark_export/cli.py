@@ -9,7 +9,7 @@ import click
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
-from dspark_runtime.cli_errors import DSparkGroup
+from dspark_runtime.cli_common import DSparkGroup, parse_size
 from dspark_runtime.graph_io import DRAFTER_TYPES
 
 
@@ -73,11 +73,11 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
     """
     from dspark_export.inspect import describe_target, format_report
     from dspark_export.presets import resolve_target
-    from dspark_export.sizing import parse_bytes, size_engine
+    from dspark_export.sizing import size_engine
 
     spec = resolve_target(target, target_path)
     fmt = weight_format(dtype, weights, quant_block_size)
-    size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_bytes(kv_memory))
+    size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory"))
     report = describe_target(spec, size, dtype, fmt.name)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
@@ -197,7 +197,6 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights
     from dspark_export.build import build_engine, default_engine_dir
     from dspark_export.drafters.bundled import bundled_drafters, resolve_drafter
     from dspark_export.presets import resolve_target
-    from dspark_export.sizing import parse_bytes
 
     spec = resolve_target(*default_to_demo(target, target_path))
     if drafter is None and not no_drafter and spec.name == "demo" and "demo-dspark" in bundled_drafters():
@@ -209,5 +208,5 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights
                           max_batch_tokens, force, weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
                           drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size,
                                                                             accuracy_level),
-                          kv_memory=parse_bytes(kv_memory))
+                          kv_memory=parse_size(kv_memory, "--kv-memory"))
     click.echo(f"engine written to {engine}")

@@ -13,19 +13,6 @@ DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told othe
 CONTEXT_STEP = 256  # a budget-sized context is rounded down to a multiple of this
 
 
-def parse_bytes(text: str) -> int:
-    """"4GiB", "512MB", "1.5G", "2000000" -> bytes (K/M/G are powers of 1024)."""
-    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(cleaned[-1:], 1)
-    try:
-        value = float(cleaned[:-1] if scale > 1 else cleaned)
-    except ValueError:
-        raise ConfigError(f"--kv-memory {text!r} is not a size (e.g. 4GiB, 512MB)") from None
-    if value <= 0:
-        raise ConfigError(f"--kv-memory must be positive (got {text!r})")
-    return int(value * scale)
-
-
 def weight_bytes(config: Qwen3Config, weights: WeightFormat, dtype: str) -> int:
     """Bytes of an engine's target weights: projections (and embeddings) in the weight format, norms in `dtype`."""
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size

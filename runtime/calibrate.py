@@ -47,7 +47,7 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     logits, accepted = all_logits[test], all_accepted[test]
     report = {"rounds_fit": int((~test).sum()), "rounds_held_out": int(test.sum()), "temperature": params.temperature}
     report |= calibration_report(logits, accepted, temperatures, biases)
-    by_temperature = read_calibration(engine.folder) | {params.temperature: report}
+    by_temperature = read_calibration(engine.folder, gamma) | {params.temperature: report}
     file = {"by_temperature": {str(t): entry for t, entry in sorted(by_temperature.items())}}
     (engine.folder / CALIBRATION).write_text(json.dumps(file, indent=1) + "\n")
     if plot:

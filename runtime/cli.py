@@ -7,7 +7,7 @@ import os
 
 import click
 
-from dspark_runtime.cli_errors import DSparkGroup
+from dspark_runtime.cli_common import DSparkGroup, parse_size
 
 
 def shared_pool() -> bool:
@@ -247,8 +247,12 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias
 @click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
 @click.option("--spec", default=None, help="Default speculation mode for requests (a request may send `spec`).")
 @click.option("--model-name", default=None, help="The model id clients see (default: the engine folder's name).")
+@click.option("--allow-host", multiple=True, help="Another name clients may use in the Host header (repeatable).")
+@click.option("--api-key", default=lambda: os.environ.get("DSPARK_API_KEY"),
+              help="Require `Authorization: Bearer KEY` (default: $DSPARK_API_KEY; none).")
+@click.option("--max-body", default="2MiB", show_default=True, help="Largest request body.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
-def serve(engine_dir, host, port, spec, model_name, threads) -> None:
+def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_body, threads) -> None:
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream: true for SSE).
 
     \b
@@ -258,10 +262,12 @@ def serve(engine_dir, host, port, spec, model_name, threads) -> None:
       client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
     """
     from dspark_runtime.engine import Engine
-    from dspark_runtime.server import serve as run_server
+    from dspark_runtime.server import ServerOptions, serve as run_server
 
+    limit = parse_size(max_body, "--max-body")
     with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
-        run_server(engine, model_name or engine.folder.name, host, port, spec)
+        options = ServerOptions(model_name or engine.folder.name, spec, host, tuple(allow_host), api_key, limit)
+        run_server(engine, options, port)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from other threads are batched into the same steps.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from contextlib import contextmanager
@@ -17,9 +16,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dspark_runtime.backend import open_graphs
 from dspark_runtime.core import EngineCore
-from dspark_runtime.engine_dir import HARDWARE_CURVE, read_calibration, read_manifest, sts_by_temperature
+from dspark_runtime.backend import OrtGraph, open_graphs
+from dspark_runtime.engine_dir import (HARDWARE_CURVE, EngineError, Manifest, read_calibration, read_json, read_manifest,
+                                       read_speed_curve, sts_by_temperature)
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.randomness import KeyedRandom
@@ -60,6 +60,11 @@ class Request:
         self.sequence.cancelled = True
         self.engine._wake()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request has ended (or `timeout` seconds passed); whether it has."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.done, timeout)
+
     def _deliver(self, event: Delta | Exception) -> None:
         """The step loop's side: one more delta, or the error that ended the request."""
         with self._changed:
@@ -93,10 +98,10 @@ class Request:
 class Engine:
     """A loaded engine directory: tokenizer, graphs, caches and the step loop."""
 
-    def __init__(self, folder: Path, manifest, tokenizer: ChatTokenizer, target, drafter):
+    def __init__(self, folder: Path, manifest: Manifest, tokenizer: ChatTokenizer, target: OrtGraph, drafter: OrtGraph | None,
+                 curve: SpeedCurve | None = None, calibration: dict[float, dict] | None = None):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
-        curve, temperatures = _load_curve(folder), _load_calibration(folder)
-        self.core = EngineCore(manifest, target, drafter, self._text, curve, temperatures)
+        self.core = EngineCore(manifest, target, drafter, self._text, curve, sts_by_temperature(calibration or {}) or None)
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
@@ -120,9 +125,14 @@ class Engine:
         folder = Path(path) if path is not None else _demo_engine()
         manifest = read_manifest(folder)
         tokenizer = ChatTokenizer.from_dir(folder)
+        if tokenizer.vocab_size > manifest.vocab_size:
+            raise EngineError(f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens, more than the model's "
+                              f"{manifest.vocab_size}; rebuild the engine with `dspark-export build --force`")
+        curve = read_speed_curve(folder, manifest)
+        calibration = read_calibration(folder, manifest.gamma)
         target, drafter = open_graphs(folder, manifest, manifest.backend if backend == "auto" else backend, threads,
                                       providers, shared_pool)
-        engine = cls(folder, manifest, tokenizer, target, drafter)
+        engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration)
         if profile and drafter is not None and not engine.has_speed_curve:
             print(f"profiling {folder.name} once (hardware_curve.json)...", file=sys.stderr)
             engine.profile()
@@ -240,7 +250,8 @@ class Engine:
     def generation_defaults(self) -> dict:
         """Sampling defaults from the model's generation_config.json (temperature, top_k, top_p, min_p)."""
         file = self.folder / "generation_config.json"
-        config = json.loads(file.read_text()) if file.is_file() else {}
+        config = read_json(file, "rebuild the engine with `dspark-export build --force`") if file.is_file() else {}
+        config = config if isinstance(config, dict) else {}
         if config.get("do_sample") is False:
             return {"temperature": 0.0}
         return {key: config[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in config}
@@ -325,22 +336,8 @@ class Engine:
         self.shutdown()
 
 
-def _load_curve(folder: Path) -> SpeedCurve | None:
-    file = folder / HARDWARE_CURVE
-    if not file.is_file():
-        return None
-    data = json.loads(file.read_text())
-    return SpeedCurve.from_json(data)
-
-
-def _load_calibration(folder: Path) -> dict[float, tuple[np.ndarray, np.ndarray]] | None:
-    return sts_by_temperature(read_calibration(folder)) or None
-
-
 def _demo_engine() -> Path:
     """The bundled demo's engine in the user cache, built on first use (no network, no torch)."""
-    from dspark_runtime.engine_dir import EngineError
-
     try:
         from dspark_export.build import build_engine, default_engine_dir, source_digests
         from dspark_export.drafters.bundled import bundled_drafters, bundled_root

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.engine_checks import EngineError, check_calibration, check_manifest, check_speed_curve
 from dspark_runtime.graph_io import GraphIO, drafter_io, target_io
 
 FORMAT_VERSION = 3  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
@@ -24,10 +24,6 @@ DRAFTER_GRAPH = "drafter.onnx"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 HARDWARE_CURVE = "hardware_curve.json"  # written by profiling, not hashed
 CALIBRATION = "calibration.json"  # written by calibration, not hashed
-
-
-class EngineError(DSparkError):
-    """An engine directory that is missing, stale or altered."""
 
 
 @dataclass(frozen=True)
@@ -106,12 +102,11 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
     file = folder / MANIFEST
     if not file.is_file():
         raise EngineError(f"{folder} is not a DSpark engine directory (no {MANIFEST}); build one with `dspark-export build`")
-    try:
-        manifest = Manifest(**json.loads(file.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise EngineError(f"{file} is corrupt ({exc}); rebuild the engine with `dspark-export build --force`") from None
-    if manifest.format_version != FORMAT_VERSION:
-        raise EngineError(f"{folder} has engine format {manifest.format_version}, this DSpark reads {FORMAT_VERSION}; rebuild it")
+    raw = read_json(file, "rebuild the engine with `dspark-export build --force`")
+    if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
+        raise EngineError(f"{folder} has engine format {raw.get('format_version')!r}, this DSpark reads {FORMAT_VERSION}; "
+                          "rebuild it")
+    manifest = Manifest(**check_manifest(raw, folder))
     if verify:
         for name, expected in manifest.files.items():
             path = folder / name
@@ -122,16 +117,30 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
     return manifest
 
 
-def read_calibration(folder: Path) -> dict[float, dict]:
+def read_json(file: Path, remedy: str) -> Any:
+    """A JSON file's value, or one EngineError line naming the file and the `remedy`."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, OSError) as exc:  # bad JSON or UTF-8, unreadable
+        raise EngineError(f"{file} is corrupt ({str(exc)[:80]}); {remedy}") from None
+
+
+def read_speed_curve(folder: Path, manifest: Manifest) -> dict | None:
+    """hardware_curve.json (None before profiling), checked."""
+    file = folder / HARDWARE_CURVE
+    if not file.is_file():
+        return None
+    data = read_json(file, "measure it again with `dspark-run profile`")
+    return check_speed_curve(data, folder, manifest.cache_slots, manifest.drafter is not None)
+
+
+def read_calibration(folder: Path, gamma: int) -> dict[float, dict]:
     """calibration.json's reports by sampling temperature ({} without one); a file from before per-temperature
     calibration holds one report at its top level."""
     file = folder / CALIBRATION
     if not file.is_file():
         return {}
-    data = json.loads(file.read_text())
-    if "by_temperature" not in data:
-        return {float(data.get("temperature", 1.0)): data}
-    return {float(t): entry for t, entry in data["by_temperature"].items()}
+    return check_calibration(read_json(file, "fit it again with `dspark-run calibrate`"), folder, gamma)
 
 
 def sts_by_temperature(reports: dict[float, dict]) -> dict[float, tuple[np.ndarray, np.ndarray]]:

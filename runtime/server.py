@@ -1,8 +1,17 @@
 """`dspark-run serve`: an OpenAI-compatible HTTP server on one engine (Starlette + uvicorn).
 
-GET /v1/models, POST /v1/completions and /v1/chat/completions, with `stream: true` as server-sent
-events. Concurrent requests are batched by the engine's step loop. Bad requests get a 4xx with an
-OpenAI-style error object; a client that disconnects mid-stream has its request cancelled.
+GET /v1/models, POST /v1/completions and /v1/chat/completions, with `stream: true` as server-sent events.
+Concurrent requests are batched by the engine's step loop. Built for a desktop where any web page the user
+opens can reach loopback:
+- a POST must be JSON (`Content-Type: application/json`): a page cannot send that without a CORS preflight,
+  and this server grants none; a request from a foreign `Origin` is refused outright;
+- the `Host` header must name the address the server listens on (or one given with `--allow-host`), so a
+  page cannot reach it through a DNS name rebound to 127.0.0.1;
+- `--api-key` makes `Authorization: Bearer <key>` required;
+- bodies over `max_body_bytes` are refused, and prompts are tokenized off the event loop;
+- every invalid request gets a 4xx with an OpenAI-style error object, never a 500, and a request's failure
+  ends its own stream with an error event; a client that disconnects has its request cancelled, streaming
+  or not.
 """
 
 from __future__ import annotations
@@ -10,147 +19,234 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_runtime.engine import Engine
+from dspark_runtime.engine import Engine, Request
 from dspark_runtime.errors import DSparkError, MissingDependencyError
-from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 
 COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
                  "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
                  "logit_bias", "logprobs", "spec"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+WILDCARD = {"0.0.0.0", "::", ""}
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
+@dataclass
+class ServerOptions:
+    model_name: str
+    default_spec: str | None = None
+    host: str = "127.0.0.1"  # the bound address; requests must name it (or an allowed host) in `Host`
+    allow_hosts: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_body_bytes: int = 2 << 20
+    hosts: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hosts = {self.host, *self.allow_hosts} | (LOOPBACK if self.host in LOOPBACK else set())
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.status, self.param, self.kind, self.code = status, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def host_name(value: str) -> str:
+    """The host part of a `Host` or `Origin` value ("[::1]:8000" -> "::1", "http://a.b:80" -> "a.b")."""
+    value = value.split("://", 1)[-1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def parse_body(raw: bytes, allowed: set[str], required: str) -> dict:
+def check_request(headers, method: str, options: ServerOptions) -> None:
+    """Refuse what a web page or a stranger could send: wrong Host, foreign Origin, no API key, non-JSON."""
+    if options.host not in WILDCARD or options.allow_hosts:
+        if host_name(headers.get("host", "")) not in options.hosts:
+            raise HTTPError(403, "the Host header does not name this server (use --allow-host to add a name)")
+    origin = headers.get("origin")
+    if origin is not None and host_name(origin) not in options.hosts:
+        raise HTTPError(403, "requests from other origins are not served")
+    if options.api_key is not None and headers.get("authorization", "") != f"Bearer {options.api_key}":
+        raise HTTPError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+    if method == "POST" and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise HTTPError(415, "the request body must be JSON (Content-Type: application/json)")
+
+
+def parse_body(raw: bytes, allowed: set[str], required: str, model_name: str) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON") from None
+    except (ValueError, RecursionError):  # JSON errors, bad UTF-8, integers too long to read, deep nesting
+        raise HTTPError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise HTTPError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise BadRequest(f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        raise HTTPError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
     if required not in body:
-        raise BadRequest(f"missing required parameter: {required}", required)
+        raise HTTPError(400, f"missing required parameter: {required}", required)
+    if "model" in body and body["model"] != model_name:
+        raise HTTPError(404, f"the model {str(body['model'])[:100]!r} does not exist (this server has {model_name!r})",
+                        "model", code="model_not_found")
     if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
+        raise HTTPError(400, "only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False) or body.get("logit_bias") or body.get("echo") or body.get("suffix"):
-        raise BadRequest("logprobs, logit_bias, echo and suffix are not supported")
+        raise HTTPError(400, "logprobs, logit_bias, echo and suffix are not supported")
+    if not isinstance(body.get("stream", False), bool):
+        raise HTTPError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise HTTPError(400, "stream_options must be an object with a boolean include_usage", "stream_options")
+    if body.get("spec") is not None and not isinstance(body["spec"], str):
+        raise HTTPError(400, "spec must be a string such as 'async' or 'fixed:4'", "spec")
     return body
 
 
 def sampling_from(body: dict, defaults: dict) -> SamplingParams:
-    stop = body.get("stop") or ()
-    try:
-        return SamplingParams(
-            max_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 256),
-            temperature=float(body.get("temperature", defaults.get("temperature", 1.0))),
-            top_p=float(body.get("top_p", defaults.get("top_p", 1.0))),
-            top_k=int(body.get("top_k", defaults.get("top_k", 0))),
-            min_p=float(body.get("min_p", defaults.get("min_p", 0.0))),
-            presence_penalty=float(body.get("presence_penalty", 0.0)),
-            frequency_penalty=float(body.get("frequency_penalty", 0.0)),
-            repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        )
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from None
+    """The request's sampling settings, validated by SamplingParams itself (values are passed as sent)."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    stop = body.get("stop")
+    return SamplingParams(
+        max_tokens=256 if limit is None else limit,
+        temperature=body.get("temperature", defaults.get("temperature", 1.0)),
+        top_p=body.get("top_p", defaults.get("top_p", 1.0)),
+        top_k=body.get("top_k", defaults.get("top_k", 0)),
+        min_p=body.get("min_p", defaults.get("min_p", 0.0)),
+        presence_penalty=body.get("presence_penalty", 0.0),
+        frequency_penalty=body.get("frequency_penalty", 0.0),
+        repetition_penalty=body.get("repetition_penalty", 1.0),
+        seed=body.get("seed"),
+        stop=() if stop is None else stop,
+    )
 
 
-def create_app(engine: Engine, model_name: str, default_spec: str | None = None):
-    """The Starlette application serving `engine` as model `model_name`."""
+def prompt_of(body: dict, chat: bool):
+    if chat:
+        if not isinstance(body["messages"], list) or not body["messages"]:
+            raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        return body["messages"]  # checked, and content parts joined, by the engine
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise HTTPError(400, "prompt must be a string", "prompt")
+    return prompt
+
+
+def create_app(engine: Engine, options: ServerOptions | str, default_spec: str | None = None):
+    """The Starlette application serving `engine` (`options` may be just the model name)."""
     try:
         from starlette.applications import Starlette
         from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
-        from starlette.requests import Request
+        from starlette.requests import Request as HttpRequest
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
     except ImportError:
         raise MissingDependencyError("dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'") from None
-
+    if isinstance(options, str):
+        options = ServerOptions(options, default_spec)
     defaults = engine.generation_defaults()
+    model_name = options.model_name
 
-    async def models(request: Request) -> JSONResponse:
+    def error(exc: HTTPError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def read_body(request: HttpRequest) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > options.max_body_bytes):
+            raise HTTPError(413, f"the request body exceeds {options.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > options.max_body_bytes:
+                raise HTTPError(413, f"the request body exceeds {options.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def models(request: HttpRequest) -> JSONResponse:
+        try:
+            check_request(request.headers, "GET", options)
+        except HTTPError as exc:
+            return error(exc)
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark"}]})
 
-    async def completions(request: Request):
+    async def completions(request: HttpRequest):
         return await respond(request, chat=False)
 
-    async def chat_completions(request: Request):
+    async def chat_completions(request: HttpRequest):
         return await respond(request, chat=True)
 
-    async def respond(request: Request, chat: bool):
+    async def respond(request: HttpRequest, chat: bool):
         try:
-            body = parse_body(await request.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS, "messages" if chat else "prompt")
-            prompt = body["messages"] if chat else body["prompt"]
-            if chat and not (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)):
-                raise BadRequest("messages must be a list of {role, content} objects", "messages")
-            if not chat and isinstance(prompt, list):
-                if len(prompt) != 1 or not isinstance(prompt[0], str):
-                    raise BadRequest("prompt must be one string", "prompt")
-                prompt = prompt[0]
-            if not chat and not isinstance(prompt, str):
-                raise BadRequest("prompt must be a string", "prompt")
-            if chat:
-                prompt = [{"role": m["role"], "content": m.get("content") or ""} for m in prompt]
+            check_request(request.headers, "POST", options)
+            body = parse_body(await read_body(request), CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                              "messages" if chat else "prompt", model_name)
+            prompt = prompt_of(body, chat)
             params = sampling_from(body, defaults)
-            handle = engine.submit(prompt, params, body.get("spec", default_spec), stream=bool(body.get("stream")))
-        except BadRequest as exc:
-            return JSONResponse(error_body(str(exc), exc.param), status_code=400)
+            handle = await run_in_threadpool(engine.submit, prompt, params, body.get("spec", options.default_spec), False,
+                                             body.get("stream", False))
+        except HTTPError as exc:
+            return error(exc)
+        except InvalidRequestError as exc:
+            return error(HTTPError(400, str(exc)))
         except DSparkError as exc:
-            return JSONResponse(error_body(str(exc)), status_code=400)
+            return error(HTTPError(503, str(exc), kind="server_error"))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
             return StreamingResponse(stream(handle, ident, created, chat, body), media_type="text/event-stream")
-        result = await run_in_threadpool(handle.result)
+        while not await run_in_threadpool(handle.wait, 0.25):
+            if await request.is_disconnected():  # nobody will read the answer: free the slot
+                handle.cancel()
+        try:
+            result = handle.result()
+        except DSparkError as exc:
+            return error(HTTPError(500, str(exc), kind="server_error"))
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(handle.sequence.generated),
                  "total_tokens": result.prompt_tokens + len(handle.sequence.generated)}
-        return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_name,
-                             "choices": [choice], "usage": usage, "dspark": result.stats})
+        return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                             "model": model_name, "choices": [choice], "usage": usage, "dspark": result.stats})
 
-    async def stream(handle, ident: str, created: int, chat: bool, body: dict):
+    async def stream(handle: Request, ident: str, created: int, chat: bool, body: dict):
         kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list, **extra) -> str:
+            return sse({"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices, **extra})
+
         try:
             if chat:
-                yield sse({"id": ident, "object": kind, "created": created, "model": model_name,
-                           "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            async for delta in iterate_in_threadpool(iter(handle)):
-                part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text, "logprobs": None}
-                yield sse({"id": ident, "object": kind, "created": created, "model": model_name,
-                           "choices": [{"index": 0, **part, "finish_reason": delta.finish_reason}]})
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            try:
+                async for delta in iterate_in_threadpool(iter(handle)):
+                    part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text, "logprobs": None}
+                    yield chunk([{"index": 0, **part, "finish_reason": delta.finish_reason}])
+            except DSparkError as exc:  # this request failed: say so, and end its stream properly
+                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                yield chunk([{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "error"}])
             if (body.get("stream_options") or {}).get("include_usage"):
                 prompt_tokens, completion_tokens = len(handle.sequence.prompt), len(handle.sequence.generated)
-                yield sse({"id": ident, "object": kind, "created": created, "model": model_name, "choices": [],
-                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens}})
+                yield chunk([], usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": prompt_tokens + completion_tokens})
             yield "data: [DONE]\n\n"
         finally:
             if handle.sequence.finish_reason is None:  # the client went away mid-stream
                 handle.cancel()
 
-    async def not_found(request: Request, exc) -> JSONResponse:
-        return JSONResponse(error_body(f"no route {request.method} {request.url.path}", kind="not_found_error"), status_code=404)
+    async def not_found(request: HttpRequest, exc) -> JSONResponse:
+        return error(HTTPError(404, f"no route {request.method} {request.url.path}", kind="not_found_error"))
 
-    async def method_not_allowed(request: Request, exc) -> JSONResponse:
-        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}"), status_code=405)
+    async def method_not_allowed(request: HttpRequest, exc) -> JSONResponse:
+        return error(HTTPError(405, f"{request.method} is not allowed on {request.url.path}"))
 
     routes = [Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
@@ -161,10 +257,10 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def serve(engine: Engine, model_name: str, host: str, port: int, default_spec: str | None = None) -> None:
+def serve(engine: Engine, options: ServerOptions, port: int) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn shuts down gracefully), then stop the engine."""
     try:
         import uvicorn
     except ImportError:
         raise MissingDependencyError("dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'") from None
-    uvicorn.run(create_app(engine, model_name, default_spec), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(engine, options), host=options.host, port=port, log_level="info")

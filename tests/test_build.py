@@ -161,3 +161,49 @@ def test_inspect_and_build_size_an_engine_alike(tmp_path, target, weights):
     assert manifest.max_context == report["context"] == 31 and manifest.weights == weights
     written = (tmp_path / "e" / "target.onnx.data").stat().st_size
     assert abs(written - report["weights_bytes"]) / written < 0.05
+
+
+def _tamper(folder, change):
+    import json
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    change(manifest, folder)
+    if manifest is not None:
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+TAMPERED = {  # what an edited or damaged engine directory may hold -> a fragment of the one-line error
+    "wrong vocab_size": (lambda m, f: m.update(vocab_size=m["vocab_size"] + 1), "vocab_size"),
+    "zero cache slots": (lambda m, f: m.update(cache_slots=0), "'cache_slots' is 0"),
+    "a file outside the directory": (lambda m, f: m["files"].update({"../../../../etc/hostname": "0" * 64}), "not a file name"),
+    "files as a list": (lambda m, f: m.update(files=["target.onnx"]), "'files'"),
+    "context beyond the model": (lambda m, f: m.update(max_context=4096), "exceeds the model's"),
+    "an end id outside the vocabulary": (lambda m, f: m.update(eos_token_ids=[10**6]), "outside the vocabulary"),
+    "an unknown field": (lambda m, f: m.update(extra=1), "unknown field"),
+    "a field missing": (lambda m, f: m.pop("backend"), "no 'backend'"),
+    "not UTF-8": (lambda m, f: (f / "manifest.json").write_bytes(b"\xff\xfe{"), "corrupt"),
+    "a corrupt speed curve": (lambda m, f: (f / "hardware_curve.json").write_text('{"target_seconds": [1, -2]}'),
+                              "hardware_curve.json is corrupt"),
+    "speed curve not JSON": (lambda m, f: (f / "hardware_curve.json").write_text("{"), "hardware_curve.json is corrupt"),
+    "a corrupt calibration": (lambda m, f: (f / "calibration.json").write_text('{"by_temperature": 5}'),
+                              "calibration.json is corrupt"),
+    "calibration of another γ": (lambda m, f: (f / "calibration.json").write_text(
+        '{"by_temperature": {"1.0": {"temperatures": [1.0]}}}'), "calibration.json is corrupt"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+def test_a_tampered_engine_directory_is_one_clear_line(tmp_path, target, case):
+    from dspark_runtime import Engine
+    from dspark_runtime.cli import main as run_main
+
+    change, fragment = TAMPERED[case]
+    drafter = write_drafter(target, tmp_path / "drafter")
+    assert build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "e")).exit_code == 0
+    _tamper(tmp_path / "e", lambda m, f: change(m, f) if case != "not UTF-8" else None)
+    if case == "not UTF-8":
+        change(None, tmp_path / "e")
+    with pytest.raises(EngineError, match=fragment):
+        Engine.load(tmp_path / "e", threads=1, profile=False)
+    result = CliRunner().invoke(run_main, [str(tmp_path / "e"), "-p", "hi", "-n", "2"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and fragment.strip("'") in result.output

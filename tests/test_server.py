@@ -1,9 +1,12 @@
-"""`dspark-run serve` on loopback: OpenAI-style completions and chat, streaming, concurrency, bad requests,
-and a client that disconnects mid-stream."""
+"""`dspark-run serve` on loopback: OpenAI-style completions and chat, streaming, concurrency, a table of
+hostile requests each sent beside a good stream (none may get a 500 or hurt the stream), what a web page
+could send (foreign Host or Origin, no JSON), API keys, body limits, disconnects, and a soak of 64 streams
+with random aborts after which every slot is free."""
 
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 import time
@@ -16,27 +19,43 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("torch")
 
 from dspark_runtime import Engine, SamplingParams  # noqa: E402
-from dspark_runtime.server import create_app  # noqa: E402
+from dspark_runtime.server import ServerOptions, create_app  # noqa: E402
 from tests.conftest import build_echo_engine  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = build_echo_engine(tmp_path_factory.mktemp("serve"), context=1024, flat_curve=True)
-    engine = Engine.load(folder, threads=1)
+def running(app):
+    """Serve `app` on a free loopback port in a thread; yields its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app_server = uvicorn.Server(uvicorn.Config(create_app(engine, "echo"), host="127.0.0.1", port=port, log_level="warning"))
+    app_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=app_server.run, daemon=True)
     thread.start()
     deadline = time.time() + 20
     while not app_server.started and time.time() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
+    yield f"http://127.0.0.1:{port}"
     app_server.should_exit = True
     thread.join(timeout=10)
-    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    folder = build_echo_engine(tmp_path_factory.mktemp("serve"), context=1024, flat_curve=True)
+    with Engine.load(folder, threads=1) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    yield from ((url, engine) for url in running(create_app(engine, ServerOptions("echo", max_body_bytes=1 << 20))))
+
+
+def wait_idle(engine, seconds: float = 20) -> dict:
+    deadline = time.time() + seconds
+    while engine.status()["active"] + engine.status()["waiting"] and time.time() < deadline:
+        time.sleep(0.05)
+    return engine.status()
 
 
 def test_models(server):
@@ -82,19 +101,100 @@ def test_concurrent_requests(server):
     assert texts[:4] == texts[4:]
 
 
-@pytest.mark.parametrize("payload, status, fragment", [
-    (b"{not json", 400, "not valid JSON"),
-    (json.dumps({"prompt": "x", "temprature": 0.5}).encode(), 400, "unrecognized request argument supplied: temprature"),
-    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "only n=1"),
-    (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "temperature must be >= 0"),
-    (json.dumps({"max_tokens": 3}).encode(), 400, "missing required parameter: prompt"),
-])
-def test_bad_requests_get_openai_errors(server, payload, status, fragment):
-    url, _ = server
-    reply = httpx.post(url + "/v1/completions", content=payload, headers={"content-type": "application/json"}, timeout=30)
-    assert reply.status_code == status and fragment in reply.json()["error"]["message"]
-    assert httpx.get(url + "/v1/models").status_code == 200  # still serving
+def chat_body(content) -> dict:
+    return {"model": "echo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+
+
+def completion(**fields) -> dict:
+    return {"prompt": "Hello", "max_tokens": 4, "temperature": 0} | fields
+
+
+HOSTILE = [  # (route, raw body, expected status, a fragment of the error message)
+    ("completions", b"{not json", 400, "not valid JSON"),
+    ("completions", b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+    ("completions", json.dumps(completion(temprature=0.5)).encode(), 400, "unrecognized request argument supplied"),
+    ("completions", json.dumps(completion(n=2)).encode(), 400, "only n=1"),
+    ("completions", json.dumps(completion(temperature=-1)).encode(), 400, "temperature must be in"),
+    ("completions", json.dumps({"max_tokens": 3}).encode(), 400, "missing required parameter: prompt"),
+    ("completions", json.dumps(completion(stop=[1])).encode(), 400, "stop must be"),
+    ("completions", json.dumps(completion(stop=[None])).encode(), 400, "stop must be"),
+    ("completions", json.dumps(completion(stop=[""])).encode(), 400, "stop must be"),
+    ("completions", json.dumps(completion(temperature=1e-320)).encode(), 200, ""),  # below the floor: greedy
+    ("completions", b'{"prompt": "x", "max_tokens": 1e400}', 400, "max_tokens must be an integer"),
+    ("completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, "not valid JSON"),
+    ("completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 4000 + b"}", 400, "max_tokens must be in"),
+    ("completions", json.dumps(completion(max_tokens=0)).encode(), 400, "max_tokens must be in"),
+    ("completions", b'{"prompt": "x", "top_k": Infinity}', 400, "top_k must be an integer"),
+    ("completions", b'{"prompt": "x", "presence_penalty": NaN}', 400, "presence_penalty must be a finite number"),
+    ("completions", json.dumps(completion(seed=-1)).encode(), 400, "seed must be in"),
+    ("completions", json.dumps(completion(spec=5)).encode(), 400, "spec must be a string"),
+    ("completions", json.dumps(completion(spec="turbo")).encode(), 400, "unknown speculation mode"),
+    ("completions", json.dumps(completion(model="gpt-5")).encode(), 404, "does not exist"),
+    ("completions", json.dumps(completion(prompt=5)).encode(), 400, "prompt must be a string"),
+    ("completions", b'{"prompt": "\\ud800"}'.replace(b"\\\\", b"\\"), 400, "not valid Unicode"),
+    ("completions", json.dumps(completion(stream=True, stream_options="x")).encode(), 400, "stream_options must be"),
+    ("completions", json.dumps(completion(stream="yes")).encode(), 400, "stream must be true or false"),
+    ("completions", json.dumps(completion(prompt="Hello " * 2000)).encode(), 400, "context holds"),
+    ("chat/completions", json.dumps(chat_body(5)).encode(), 400, "content must be a string"),
+    ("chat/completions", json.dumps(chat_body({"text": "hi"})).encode(), 400, "content must be a string"),
+    ("chat/completions", json.dumps(chat_body([{"type": "text", "text": "Hello"}])).encode(), 200, ""),
+    ("chat/completions", json.dumps({"messages": [{"content": "hi"}]}).encode(), 400, "needs a role"),
+    ("chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages must be a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("route, payload, status, fragment", HOSTILE, ids=[f"{i}-{row[3] or 'ok'}" for i, row in enumerate(HOSTILE)])
+def test_a_hostile_request_gets_a_clear_4xx_and_hurts_no_other_request(server, route, payload, status, fragment):
+    url, engine = server
+    expected = engine.generate("def add(", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)).text
+    body = {"prompt": "def add(", "max_tokens": 40, "temperature": 0, "stream": True}
+    good, text = {}, []
+
+    def stream_beside():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    text.append(event["choices"][0]["text"])
+                    good["finish"] = event["choices"][0]["finish_reason"] or good.get("finish")
+                good["done"] = line == "data: [DONE]" or good.get("done", False)
+
+    beside = threading.Thread(target=stream_beside)
+    beside.start()
+    reply = httpx.post(url + f"/v1/{route}", content=payload, headers={"content-type": "application/json"}, timeout=60)
+    beside.join(timeout=60)
+    assert reply.status_code == status, reply.text
+    if status != 200:
+        assert fragment in reply.json()["error"]["message"]
+    assert good.get("done") and good.get("finish") in ("length", "stop")
+    if good["finish"] == "length":
+        assert "".join(text) == expected
     assert httpx.get(url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+
+
+def test_what_a_web_page_could_send_is_refused(server):
+    url, _ = server
+    port = url.rsplit(":", 1)[1]
+    body = json.dumps(completion()).encode()
+    plain = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "text/plain"}, timeout=30)
+    assert plain.status_code == 415 and "must be JSON" in plain.json()["error"]["message"]
+    rebound = httpx.post(url + "/v1/completions", content=body, timeout=30,
+                         headers={"content-type": "application/json", "host": f"evil.example:{port}"})
+    assert rebound.status_code == 403 and "Host" in rebound.json()["error"]["message"]
+    foreign = httpx.post(url + "/v1/completions", content=body, timeout=30,
+                         headers={"content-type": "application/json", "origin": "http://evil.example"})
+    assert foreign.status_code == 403
+    big = httpx.post(url + "/v1/completions", content=b" " * (2 << 20), headers={"content-type": "application/json"}, timeout=30)
+    assert big.status_code == 413
+
+
+def test_an_api_key_is_required_when_set(engine):
+    for url in running(create_app(engine, ServerOptions("echo", api_key="s3cret"))):
+        assert httpx.get(url + "/v1/models").status_code == 401
+        headers = {"authorization": "Bearer s3cret"}
+        assert httpx.get(url + "/v1/models", headers=headers).status_code == 200
+        reply = httpx.post(url + "/v1/completions", json=completion(), headers=headers, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_disconnect_mid_stream_cancels_the_request(server, monkeypatch):
@@ -107,9 +207,47 @@ def test_disconnect_mid_stream_cancels_the_request(server, monkeypatch):
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first chunk
-    deadline = time.time() + 10
-    while engine.status()["active"] and time.time() < deadline:
-        time.sleep(0.05)
+    status = wait_idle(engine)
     assert submitted[0].sequence.finish_reason == "cancelled" and len(submitted[0].sequence.generated) < 1000
-    status = engine.status()
     assert not status["active"] and status["free_slots"] == status["slots"]
+
+
+def test_a_disconnect_cancels_a_plain_request_too(server, monkeypatch):
+    url, engine = server
+    submitted = []
+    original = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *a, **k: submitted.append(original(*a, **k)) or submitted[-1])
+    run = engine.core.target.run
+    monkeypatch.setattr(engine.core.target, "run", lambda feeds: time.sleep(0.002) or run(feeds))  # a slower model
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=completion(max_tokens=1000, spec="off"), timeout=0.3)
+    status = wait_idle(engine)
+    assert submitted[0].sequence.finish_reason == "cancelled" and len(submitted[0].sequence.generated) < 1000
+    assert status["free_slots"] == status["slots"]
+
+
+def test_soak_64_streams_with_random_aborts(server):
+    """64 concurrent streaming requests through the real server, about a third abandoned mid-stream: every
+    other one completes with a finish reason, and afterwards every slot is free and nothing is queued."""
+    url, engine = server
+    rng = random.Random(0)
+    plans = [(rng.choice(["Hello", "def add(", "The answer"]), rng.randint(4, 40), rng.random() < 0.33) for _ in range(64)]
+
+    def run(plan) -> str | None:
+        prompt, tokens, abort = plan
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.7, "stream": True}
+        finish = None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for number, line in enumerate(response.iter_lines()):
+                if abort and number >= 2:
+                    return "aborted"
+                if line.startswith("data: {"):
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        return finish
+
+    with ThreadPoolExecutor(64) as pool:
+        outcomes = list(pool.map(run, plans))
+    completed = [o for o, (_, _, abort) in zip(outcomes, plans) if not abort]
+    assert completed and all(o in ("length", "stop") for o in completed), outcomes
+    status = wait_idle(engine, 60)
+    assert status == {"active": 0, "waiting": 0, "free_slots": status["slots"], "slots": status["slots"]}

@@ -81,7 +81,7 @@ def verify_drafts(logits: torch.Tensor, draft, temperature: float, rng: np.rando
     if temperature == 0:
         return verify_greedy(logits.argmax(-1).numpy(), drafts)
     target_probs = torch.softmax(logits / temperature, -1).double().numpy()
-    return verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, rng)
+    return verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, lambda k, purpose: rng.random())
 
 
 def acceptance_probabilities(logits: torch.Tensor, draft, temperature: float) -> list[float]:
@@ -98,7 +98,7 @@ def verify_token(logits: torch.Tensor, temperature: float, rng: np.random.Genera
     """A plain target step (no drafts): the argmax, or a sample at the temperature."""
     if temperature == 0:
         return int(logits[0].argmax())
-    return sample(torch.softmax(logits[0] / temperature, -1).double().numpy(), rng)
+    return sample(torch.softmax(logits[0] / temperature, -1).double().numpy(), rng.random())
 
 
 def summarize(rounds: list[RoundRecord], gamma: int) -> dict:

@@ -1,0 +1,34 @@
+"""Click plumbing shared by both CLIs: a DSparkError becomes one `error:` line and exit code 1; sizes."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from dspark_runtime.errors import DSparkError
+
+
+class DSparkGroup(click.Group):
+    """A click group whose commands report DSparkError as one line (set DSPARK_DEBUG=1 for the traceback)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DSparkError as exc:
+            if os.environ.get("DSPARK_DEBUG"):
+                raise
+            raise click.ClickException(str(exc)) from None
+
+
+def parse_size(text: str, option: str) -> int:
+    """"4GiB", "512MB", "1.5G", "2000000" -> bytes (K/M/G/T are powers of 1024); `option` names it in errors."""
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(cleaned[-1:], 1)
+    try:
+        value = int(float(cleaned[:-1] if scale > 1 else cleaned) * scale)
+    except ValueError:
+        raise DSparkError(f"{option} {text!r} is not a size (e.g. 4GiB, 512MB)") from None
+    if value < 1:
+        raise DSparkError(f"{option} must be positive (got {text!r})")
+    return value
