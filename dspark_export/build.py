@@ -17,7 +17,8 @@ from dspark_export.checkpoint import Checkpoint, expected_shapes
 from dspark_export.config import DTYPES, Qwen3Config
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.graphs.target import attention_for, build_target_onnx
-from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat
+from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights
+from dspark_export.interop import open_drafter
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
@@ -89,12 +90,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     folder = spec.require_path()
     checkpoint = Checkpoint(folder, spec.config)
     tokenizer = ChatTokenizer.from_dir(folder)
-    drafter_config = None
-    if drafter_dir is not None:
-        from dspark_export.drafters.config import DrafterConfig
-
-        drafter_config = DrafterConfig.from_dir(drafter_dir)
-        drafter_config.check_target(spec.config, tokenizer.vocab_hash())
+    source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
+    drafter_config = source and source.config
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
     gamma = drafter_config.gamma if drafter_config else 0
     size = size_engine(spec.config, cache_slots, dtype, weights, gamma, max_context, kv_memory)
@@ -113,8 +110,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, weights, lowering,
                               size.cache_rows, progress=bar.update)
-        if drafter_dir is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions
-            build_drafter_onnx(drafter_dir, checkpoint, staging / DRAFTER_GRAPH, drafter_weights, backend == "ort")
+        if source is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions
+            target_graph = Weights.lend_from(staging / TARGET_GRAPH, checkpoint.raw, dtype, weights)
+            build_drafter_onnx(source, checkpoint, staging / DRAFTER_GRAPH, drafter_weights, backend == "ort", target_graph)
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)

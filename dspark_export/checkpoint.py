@@ -19,12 +19,17 @@ from dspark_export.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype name -> (numpy storage dtype, our dtype name)
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
+# safetensors dtype name -> (numpy storage dtype, our dtype name); integer tensors are vocabulary maps (d2t)
 _DTYPES = {
     "F32": (np.float32, "float32"),
     "F16": (np.float16, "float16"),
     "BF16": (np.uint16, "bfloat16"),
+    "I64": (np.int64, "int64"),
+    "I32": (np.int32, "int32"),
+    "BOOL": (np.bool_, "bool"),
 }
+_STORAGE = {dtype: storage for storage, dtype in _DTYPES.values()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -65,7 +70,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file} is corrupt (bad header entry for {name})") from None
         if dtype_name not in _DTYPES:
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name}; DSpark reads F32, F16 and BF16")
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype_name}; DSpark reads {', '.join(_DTYPES)}")
         storage, dtype = _DTYPES[dtype_name]
         nbytes = math.prod(shape) * np.dtype(storage).itemsize
         if end - begin != nbytes or begin < 0 or data_start + end > size:
@@ -76,8 +81,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 
 def tensor_view(info: TensorInfo) -> np.ndarray:
     """A read-only memory map of one tensor (bfloat16 as uint16 bits)."""
-    storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[info.dtype]
-    return np.memmap(info.file, dtype=storage, mode="r", offset=info.start, shape=info.shape)
+    return np.memmap(info.file, dtype=_STORAGE[info.dtype], mode="r", offset=info.start, shape=info.shape)
 
 
 def as_float32(array: np.ndarray, dtype: str) -> np.ndarray:
@@ -112,37 +116,44 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def index_tensors(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a folder's `model.safetensors`, or of the shards its index lists. A folder with only a
+    pickled checkpoint is refused without opening it (unpickling runs arbitrary code)."""
+    index_file, single_file = folder / INDEX_FILE, folder / SINGLE_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise CheckpointError(f"{index_file} is corrupt (no readable weight_map)") from None
+        tensors: dict[str, TensorInfo] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).is_file():
+                raise CheckpointError(f"shard {shard} listed in {INDEX_FILE} is missing from {folder}")
+            header = read_header(folder / shard)
+            tensors |= {name: info for name, info in header.items() if weight_map.get(name) == shard}
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(f"{INDEX_FILE} names tensors its shards lack, e.g. {missing[0]}")
+        return tensors
+    if single_file.is_file():
+        return read_header(single_file)
+    pickled = next((name for name in PICKLE_FILES if (folder / name).is_file()), None)
+    if pickled:
+        raise CheckpointError(
+            f"{folder / pickled} is a pickle, which DSpark never loads (unpickling can run code); convert it once "
+            "with: python -c \"import torch; from safetensors.torch import save_file; "
+            f"save_file(torch.load('{pickled}', weights_only=True), 'model.safetensors')\"")
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
+
+
 class Checkpoint:
     """The tensors of one checkpoint folder, by name, checked against its architecture."""
 
     def __init__(self, path: str | Path, config: Qwen3Config):
         self.path = Path(path)
         self.config = config
-        self.tensors = self._index()
+        self.tensors = index_tensors(self.path)
         self._check_shapes()
-
-    def _index(self) -> dict[str, TensorInfo]:
-        index_file, single_file = self.path / INDEX_FILE, self.path / SINGLE_FILE
-        if index_file.is_file():
-            try:
-                weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-                raise CheckpointError(f"{index_file} is corrupt (no readable weight_map)") from None
-            tensors: dict[str, TensorInfo] = {}
-            for shard in sorted(set(weight_map.values())):
-                if not (self.path / shard).is_file():
-                    raise CheckpointError(f"shard {shard} listed in {INDEX_FILE} is missing from {self.path}")
-                header = read_header(self.path / shard)
-                for name, info in header.items():
-                    if weight_map.get(name) == shard:
-                        tensors[name] = info
-            missing = sorted(set(weight_map) - set(tensors))
-            if missing:
-                raise CheckpointError(f"{INDEX_FILE} names tensors its shards lack, e.g. {missing[0]}")
-            return tensors
-        if single_file.is_file():
-            return read_header(single_file)
-        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
 
     def _check_shapes(self) -> None:
         for name, shape in expected_shapes(self.config).items():

@@ -151,16 +151,14 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
 
     from tqdm import tqdm
 
-    from dspark_export.drafters.bundled import resolve_drafter
-    from dspark_export.drafters.checkpoint import load_drafter
     from dspark_export.drafters.evaluate import evaluate, plot_acceptance
-    from dspark_export.loading import load_target
+    from dspark_export.loading import load_drafters, load_target
     from dspark_export.presets import resolve_target
     from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     spec = resolve_target(*default_to_demo(target, target_path))
     model, tokenizer = load_target(spec)
-    loaded = {name: load_drafter(resolve_drafter(name), model, tokenizer.vocab_hash()) for name in drafters}
+    loaded = load_drafters(spec, model, tokenizer, list(drafters))
     rows = read_prompts(prompts or demo_prompts_path(), limit)
     results = []
     for name, drafter in loaded.items():

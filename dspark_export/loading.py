@@ -1,4 +1,4 @@
-"""Load a resolved target (weights + tokenizer) into torch."""
+"""Load a resolved target (weights + tokenizer), and drafters for it, into torch."""
 
 from __future__ import annotations
 
@@ -18,3 +18,14 @@ def load_target(spec: TargetSpec, dtype: str = "float32") -> tuple[Qwen3Model, C
             f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
         )
     return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype), tokenizer
+
+
+def load_drafters(spec: TargetSpec, model: Qwen3Model, tokenizer: ChatTokenizer, names: list[str]) -> dict:
+    """Torch drafters for the target, by folder, bundled name or cached repo id, in any layout DSpark reads."""
+    from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.drafters.checkpoint import load_drafter
+    from dspark_export.interop import open_drafter
+
+    checkpoint = Checkpoint(spec.require_path(), spec.config)
+    return {name: load_drafter(open_drafter(resolve_drafter(name), spec.config, checkpoint, tokenizer), model)
+            for name in names}

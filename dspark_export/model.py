@@ -162,7 +162,8 @@ class Qwen3Model(nn.Module):
         use_cache: bool = False,
         logits: bool = True,
     ) -> TargetOutput:
-        """input_ids [B, T]; positions [B, T] (default 0..T-1). Feature layer l is the output of decoder layer l.
+        """input_ids [B, T]; positions [B, T] (default 0..T-1). Feature layer l is the output of decoder layer l
+        (-1: the embeddings).
 
         With `use_cache`, keys/values are written to the preallocated caches at `positions` and attention
         reads every cached position up to each token's own.
@@ -173,7 +174,7 @@ class Qwen3Model(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_tables(self.config, positions, x.dtype)
-        features = {}
+        features = {-1: x} if -1 in feature_layers else {}
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, positions, self.caches[index] if use_cache else None)
             if index in feature_layers:

@@ -32,18 +32,18 @@ def measure(drafter, context: int, requests: int, repeats: int) -> dict:
     context_positions = torch.arange(context).expand(requests, context)
     previous = torch.randint(4, target.vocab_size, (requests,))
     hidden = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
-    base = drafter.base_logits(hidden)
+    base = drafter.lm_head(hidden)
     noise = torch.rand(requests, gamma)
 
     def parallel():
         out = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
-        drafter.base_logits(out)
+        drafter.lm_head(out)
 
     def heads():
         state = None
         for k in range(gamma):
-            _, code, state = drafter.head_step(hidden[:, k], previous, state)
-            drafter.confidence_head(torch.cat([hidden[:, k], code], -1))
+            _, code, state = drafter.markov_head.step(hidden[:, k], previous, state)
+            drafter.confidence_logits(hidden[:, k], code)
 
     def sampling():
         for k in range(gamma):
@@ -60,9 +60,7 @@ def measure(drafter, context: int, requests: int, repeats: int) -> dict:
 def main() -> None:
     import json
 
-    from dspark_export.drafters.bundled import resolve_drafter
-    from dspark_export.drafters.checkpoint import load_drafter
-    from dspark_export.loading import load_target
+    from dspark_export.loading import load_drafters, load_target
     from dspark_export.presets import resolve_target
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,8 +71,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tokenizer = load_target(resolve_target(args.target))
-    drafter = load_drafter(resolve_drafter(args.drafter), model, tokenizer.vocab_hash())
+    spec = resolve_target(args.target)
+    model, tokenizer = load_target(spec)
+    drafter = load_drafters(spec, model, tokenizer, [args.drafter])[args.drafter]
     if drafter.config.head == "none":
         raise SystemExit(f"{args.drafter} has no sequential head")
     for requests in (int(r) for r in args.requests.split(",")):

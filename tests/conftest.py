@@ -94,7 +94,7 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
         for name, param in drafter.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.zero_()
-            if name == "markov_w2.weight":
+            if name == "markov_head.markov_w2.weight":
                 param.normal_(0, markov_scale) if markov_scale else param.zero_()
     save_drafter(drafter, drafter_dir)
     engine_dir = build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,

@@ -18,6 +18,7 @@ from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: 
 from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
 from dspark_export.errors import ConfigError  # noqa: E402
+from dspark_export.interop import open_drafter  # noqa: E402
 
 TARGET = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
@@ -48,7 +49,7 @@ def test_feature_layer_defaults():
 
 
 def test_block_mask_constructed_case():
-    mask = block_mask(torch.tensor([[2, 5]]), context_length=8, gamma=3)[0, 0].int()
+    mask = block_mask(torch.tensor([[2, 5]]), context_length=8, rows=3)[0, 0].int()
     expected = torch.zeros(6, 14, dtype=torch.int32)
     expected[0:3, 0:2] = 1  # anchor 2: context strictly before position 2 (never its own feature)
     expected[3:6, 0:5] = 1  # anchor 5: positions 0..4
@@ -147,7 +148,7 @@ def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
     records = RunFolder(tmp_path / "run").records()
     assert records[-1]["total"] < 0.8 * records[0]["total"], records
     save_drafter(drafter, tmp_path / "drafter")
-    reloaded = load_drafter(tmp_path / "drafter", target, vocab_hash="abc")
+    reloaded = load_drafter(open_drafter(tmp_path / "drafter", TARGET), target)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
 
@@ -162,16 +163,17 @@ def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
 def test_drafter_for_another_target_is_refused(tmp_path, target, change, message):
     drafter = build_drafter(drafter_config())
     save_drafter(drafter, tmp_path / "d")
-    other = Qwen3Model(Qwen3Config(**(TARGET.architecture_fields() | change)))
     with pytest.raises(ConfigError, match=message):
-        load_drafter(tmp_path / "d", other)
+        open_drafter(tmp_path / "d", Qwen3Config(**(TARGET.architecture_fields() | change)))
     with pytest.raises(ConfigError, match="vocabulary does not match"):
-        load_drafter(tmp_path / "d", target, vocab_hash="another")
+        DrafterConfig.from_dir(tmp_path / "d").check_target(TARGET, vocab_hash="another")
 
 
 def test_feature_layer_beyond_the_target_is_refused():
-    with pytest.raises(ConfigError, match=r"within 0\.\.2 \(the target has 4 layers"):
-        drafter_config(feature_layers=(1, 3))
+    with pytest.raises(ConfigError, match=r"within -1\.\.3 \(the target has 4 layers"):
+        drafter_config(feature_layers=(1, 4))
+    with pytest.raises(ConfigError, match="must increase"):
+        drafter_config(feature_layers=(2, 1))
     with pytest.raises(ConfigError, match="unknown drafter type"):
         drafter_config(drafter_type="medusa")
 

@@ -17,6 +17,7 @@ from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.config import Qwen3Config  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.graphs.drafter import BODIES, build_drafter_onnx  # noqa: E402
+from dspark_export.interop import open_drafter  # noqa: E402
 from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from dspark_export.graphs.weights import ONNX_DTYPES  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
@@ -65,7 +66,7 @@ def test_target_graph_declares_the_contract(tmp_path, target, dtype):
 def test_drafter_graph_declares_the_contract(tmp_path, target, kind):
     config = Qwen3Config.from_dir(target)
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type=kind, **DRAFTER_FIELDS[kind])
-    graph = build_drafter_onnx(drafter, Checkpoint(target, config), tmp_path / "drafter.onnx")
+    graph = build_drafter_onnx(open_drafter(drafter, config), Checkpoint(target, config), tmp_path / "drafter.onnx")
     onnx.checker.check_model(str(graph), full_check=True)
     io = drafter_io(kind, 1, config.num_key_value_heads, config.head_dim, config.hidden_size, 3, kind == "dspark")
     assert declared(onnx.load(str(graph), load_external_data=False)) == expected(io)

@@ -19,6 +19,7 @@ from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.model import Qwen3Model  # noqa: E402
 from dspark_export.graphs.drafter import build_drafter_onnx  # noqa: E402
 from dspark_export.graphs.weights import WeightFormat  # noqa: E402
+from dspark_export.interop import open_drafter  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 SLOTS, LMAX, GAMMA = 3, 40, 4
@@ -41,14 +42,15 @@ def make_drafter(tmp_path, kind, head):
                 param.normal_(0, 0.5)
     attach_target(drafter, target)
     save_drafter(drafter, tmp_path / "drafter")
-    graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / "engine" / "drafter.onnx")
+    graph = build_drafter_onnx(open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "engine" / "drafter.onnx")
     onnx.checker.check_model(str(graph), full_check=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return drafter.eval(), ort.InferenceSession(str(graph), options), config
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")])
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"),
+                                        ("eagle3", "none")])
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8, 0.8), (1.3, 0.0)])
 def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
     drafter, session, config = make_drafter(tmp_path, kind, head)
@@ -108,8 +110,9 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
     formats = {False: WeightFormat("fp32"), True: WeightFormat("int8", block_size=16)}
-    graphs = {int8: build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx",
-                                       formats[int8], greedy_shortcut=int8) for int8 in (False, True)}
+    source = open_drafter(tmp_path / "drafter", checkpoint.config)
+    graphs = {int8: build_drafter_onnx(source, checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", formats[int8],
+                                       greedy_shortcut=int8) for int8 in (False, True)}
     quantized = onnx.load(str(graphs[True]), load_external_data=False)
     assert not any(node.op_type == "Gemm" for node in quantized.graph.node)  # every projection is int8
     (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
@@ -132,7 +135,7 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     assert tokens.shape == (1, GAMMA) and probs.shape == (1, GAMMA, 0)
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
 def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_path, monkeypatch, head):
     """All-greedy CPU calls score the sequential bias on the top base logits only; with every token a
     candidate, their drafts are the greedy rows' drafts of a call that samples (full-vocabulary argmax)."""
@@ -144,7 +147,7 @@ def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_
     config = checkpoint.config
     monkeypatch.setattr(block_body, "GREEDY_CANDIDATES", config.vocab_size)
     # float projections, so that no int8 rounding differs between the two paths
-    graph = build_drafter_onnx(tmp_path / "drafter", checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True)
+    graph = build_drafter_onnx(open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True)
     rng = np.random.default_rng(3)
     requests, shape = 3, (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
     feeds = {"context_features": rng.standard_normal((6, 2 * config.hidden_size)).astype(np.float32),

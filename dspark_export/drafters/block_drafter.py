@@ -6,6 +6,11 @@ bidirectionally to itself and to context positions strictly before its anchor. S
 h_k gives base logits U_k = lm_head(norm(h_k)); the sequential head adds B_k from the previous token,
 so the draft distribution is softmax(U_k + B_k). The confidence head predicts whether slot k survives
 verification given that the slots before it did.
+
+Module names follow DeepSpec's `Qwen3DSparkModel` (`markov_head.markov_w1`, `confidence_head.proj`, ...),
+so that its checkpoints and ours share tensor names. Layout knobs (`DrafterConfig`): the 1+γ block of
+DFlash checkpoints (row 0 only carries the anchor), a draft vocabulary subset mapped by `d2t`, and the
+drafter's own embedding and LM head.
 """
 
 from __future__ import annotations
@@ -60,37 +65,76 @@ def pick(logits: torch.Tensor, temperature: float, uniform: torch.Tensor | None)
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [R, γ] sampled draft tokens
-    probs: torch.Tensor  # [R, γ, V] the distributions they were sampled from
+    tokens: torch.Tensor  # [R, γ] sampled draft tokens (target vocabulary ids)
+    probs: torch.Tensor  # [R, γ, V] the distributions they were sampled from, over the target's vocabulary
     confidence: torch.Tensor  # [R, γ] predicted conditional acceptance probabilities (ones without the head)
 
 
+class SequentialHead(nn.Module):
+    """B_k from the previous token x_{k-1} through the rank-r code W1[x_{k-1}], projected by W2:
+    "markov" W2·W1[x]; "gated" W2·(σ(G[h_k; W1[x]]) ⊙ W1[x]); "rnn" W2·tanh(o_k) with a gated recurrent state
+    s_k = g ⊙ s_{k-1} + (1 - g) ⊙ tanh(c), where [g; c; o] = J[s_{k-1}; W1[x]; h_k]."""
+
+    def __init__(self, kind: str, vocab: int, drafted_vocab: int, rank: int, hidden: int):
+        super().__init__()
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, drafted_vocab, bias=False)
+        nn.init.zeros_(self.markov_w2.weight)  # start as the plain backbone
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        if kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def step(self, hidden_k: torch.Tensor, previous: torch.Tensor, state: torch.Tensor | None):
+        """hidden [.., H], previous token [..] -> bias [.., V'], code W1[previous] [.., r], next state."""
+        code = self.markov_w1(previous)
+        if self.kind == "markov":
+            return self.markov_w2(code), code, state
+        if self.kind == "gated":
+            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([hidden_k, code], -1))) * code), code, state
+        state = torch.zeros_like(code) if state is None else state
+        gate, candidate, out = self.joint_proj(torch.cat([state, code, hidden_k], -1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        return self.markov_w2(torch.tanh(out)), code, gate * state + (1 - gate) * torch.tanh(candidate)
+
+
+class ConfidenceHead(nn.Module):
+    """The logit of P(draft k accepted | drafts before it accepted) from [h_k] or [h_k; W1[x_{k-1}]]."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features)[..., 0]
+
+
 class BlockDrafter(nn.Module):
-    """DSpark (head "markov" or "rnn", confidence head) or DFlash (head "none", no confidence)."""
+    """DSpark (a sequential head, a confidence head) or DFlash (neither), in every layout `DrafterConfig` names."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         target = config.target_config
-        hidden, vocab, rank = target.hidden_size, target.vocab_size, config.markov_rank
+        hidden, vocab = target.hidden_size, target.vocab_size
         self.config, self.target = config, target
-        # frozen copies of the target's embedding and LM head (loaded from the target, never saved)
+        # frozen: the target's embedding and LM head (attached at load, never saved) or the drafter's own copies
         self.embed_tokens = nn.Embedding(vocab, hidden).requires_grad_(False)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
+        self.lm_head = nn.Linear(hidden, config.drafted_vocab, bias=False).requires_grad_(False)
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, target.rms_norm_eps)
         self.layers = nn.ModuleList(InjectedLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, target.rms_norm_eps)
+        if config.draft_vocab_size is not None:  # draft id d is target id d + d2t[d]
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         if config.head != "none":
-            self.markov_w1 = nn.Embedding(vocab, rank)
-            self.markov_w2 = nn.Linear(rank, vocab, bias=False)
-            nn.init.zeros_(self.markov_w2.weight)  # start as the plain backbone
-        if config.head == "rnn":
-            self.rnn = nn.Linear(2 * rank + hidden, 3 * rank)
+            self.markov_head = SequentialHead(config.head, vocab, config.drafted_vocab, config.markov_rank, hidden)
         if config.confidence:
-            self.confidence_head = nn.Linear(hidden + rank, 1)
+            self.confidence_head = ConfidenceHead(config.confidence_width)
 
     def frozen_names(self) -> tuple[str, ...]:
-        return ("embed_tokens.weight", "lm_head.weight")
+        """Tensors that are the target's, not saved with the drafter."""
+        return self.config.shared_names()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [B, S, m·H] -> context states [B, S, H]."""
@@ -105,61 +149,72 @@ class BlockDrafter(nn.Module):
             x = layer(x, block_rope, context, context_rope, mask)
         return self.norm(x)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def target_ids(self) -> torch.Tensor | None:
+        """The target id of every draft-vocabulary id (None: the draft vocabulary is the target's)."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def head_step(self, hidden_k: torch.Tensor, previous: torch.Tensor, state: torch.Tensor | None):
-        """One sequential-head step: hidden [.., H], previous token [..] -> bias [.., V], token code [.., r], state."""
-        code = self.markov_w1(previous)
-        if self.config.head == "markov":
-            return self.markov_w2(code), code, state
-        if state is None:
-            state = torch.zeros_like(code)
-        gate, candidate, out = self.rnn(torch.cat([state, code, hidden_k], -1)).chunk(3, -1)
-        bias = self.markov_w2(torch.tanh(out))
-        state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(candidate)
-        return bias, code, state
+    def in_target_vocab(self, logits: torch.Tensor, fill: float) -> torch.Tensor:
+        """Draft-vocabulary scores [.., V'] on the target's vocabulary [.., V], `fill` where the draft has none."""
+        ids = self.target_ids()
+        if ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), fill)
+        return full.index_copy(-1, ids, logits)
+
+    def confidence_logits(self, hidden: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
+        features = torch.cat([hidden, code], -1) if self.config.confidence_with_markov else hidden
+        return self.confidence_head(features)
 
     def teacher_forced(self, hidden: torch.Tensor, previous: torch.Tensor):
-        """Training: hidden [.., γ, H], previous tokens [.., γ] (anchor then ground truth) -> logits, confidence logits."""
-        logits = self.base_logits(hidden)
-        if self.config.head == "none":
-            return logits, None
-        if self.config.head == "markov":
-            code = self.markov_w1(previous)
-            logits = logits + self.markov_w2(code)
-        else:
+        """Training: hidden [.., N, H] of all block rows, previous tokens [.., N] -> draft-vocabulary logits
+        [.., N, V'] and confidence logits [.., N] (None without the head). The sequential head runs over every
+        row, so that a recurrent state passes through the idle anchor row of the 1+γ layout."""
+        logits = self.lm_head(hidden)
+        code = None
+        if self.config.head != "none":
             state, biases, codes = None, [], []
             for k in range(hidden.shape[-2]):
-                bias, code, state = self.head_step(hidden[..., k, :], previous[..., k], state)
+                bias, step_code, state = self.markov_head.step(hidden[..., k, :], previous[..., k], state)
                 biases.append(bias)
-                codes.append(code)
+                codes.append(step_code)
             logits, code = logits + torch.stack(biases, -2), torch.stack(codes, -2)
-        confidence = self.confidence_head(torch.cat([hidden, code], -1))[..., 0] if self.config.confidence else None
+        confidence = self.confidence_logits(hidden, code) if self.config.confidence else None
         return logits, confidence
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> Draft:
-        """Sample γ drafts left to right from the block's hidden states [R, γ, H].
+        """Sample γ drafts left to right from the block's hidden states [R, N, H] (N = `block_rows`).
 
         Inverse CDF: x_k is the first token whose cumulative probability exceeds u_k = noise[:, k], so x_k is
-        distributed exactly as softmax(logits_k / T); T = 0 takes the argmax. q is returned as used.
+        distributed exactly as softmax(logits_k / T); T = 0 takes the argmax. q is returned as used, on the
+        target's vocabulary.
         """
-        base = self.base_logits(hidden)
+        config = self.config
+        lead = config.block_rows - config.gamma
+        ids = self.target_ids()
+        head = self.markov_head if config.head != "none" else None
         previous, state = anchors, None
+        if lead and config.head == "rnn":  # the idle anchor row still advances the recurrent state
+            state = head.step(hidden[:, 0], anchors, None)[2]
+        hidden = hidden[:, lead:]
+        base = self.lm_head(hidden)
         tokens, probs, confidence = [], [], []
-        for k in range(hidden.shape[1]):
+        for k in range(config.gamma):
             logits, code = base[:, k], None
-            if self.config.head != "none":
-                bias, code, state = self.head_step(hidden[:, k], previous, state)
+            if head is not None:
+                bias, code, state = head.step(hidden[:, k], previous, state)
                 logits = logits + bias
             token, prob = pick(logits, temperature, None if noise is None else noise[:, k])
-            if self.config.confidence:
-                confidence.append(torch.sigmoid(self.confidence_head(torch.cat([hidden[:, k], code], -1))[:, 0]))
+            if ids is not None:
+                token = ids[token]
+            if config.confidence:
+                confidence.append(torch.sigmoid(self.confidence_logits(hidden[:, k], code)))
             else:
                 confidence.append(torch.ones_like(token, dtype=hidden.dtype))
             tokens.append(token)
-            probs.append(prob)
+            probs.append(self.in_target_vocab(prob, 0.0))
             previous = token
         return Draft(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1))
 
@@ -169,9 +224,9 @@ def block_draft(drafter: BlockDrafter, committed: torch.Tensor, features: torch.
                 noise: torch.Tensor | None) -> Draft:
     """Draft γ tokens after the committed tokens [1, a+1] (the last is the anchor at position a), given the
     target features [1, a, m·H] of positions 0..a-1."""
-    length, gamma = features.shape[1], drafter.config.gamma
-    ids = torch.full((1, gamma), drafter.config.mask_token_id)
+    length, rows = features.shape[1], drafter.config.block_rows
+    ids = torch.full((1, rows), drafter.config.mask_token_id)
     ids[0, 0] = committed[0, -1]
-    hidden = drafter.backbone(ids, torch.arange(length, length + gamma)[None], drafter.fuse(features),
-                              torch.arange(length)[None], torch.ones(1, 1, gamma, length + gamma, dtype=torch.bool))
+    hidden = drafter.backbone(ids, torch.arange(length, length + rows)[None], drafter.fuse(features),
+                              torch.arange(length)[None], torch.ones(1, 1, rows, length + rows, dtype=torch.bool))
     return drafter.draft(hidden, committed[:, -1], temperature, noise)

@@ -1,4 +1,5 @@
-"""Bundled drafters for the demo target, addressable by name wherever a drafter folder is accepted."""
+"""Where a drafter named on the command line lives: a bundled drafter of the demo target (`demo-dspark`), a
+folder, or a Hugging Face repo id already in the local cache (`deepseek-ai/dspark_qwen3_8b_block7`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from dspark_export.errors import CheckpointError
+from dspark_export.presets import cached_snapshots, hf_cache_roots
 
 BUNDLED_PREFIX = "demo-"
 
@@ -20,7 +22,7 @@ def bundled_drafters() -> list[str]:
 
 
 def resolve_drafter(name_or_path: str) -> Path:
-    """A drafter folder from a bundled name (`demo-dspark`) or a path."""
+    """A drafter folder from a bundled name, a path or a cached repo id; nothing is downloaded."""
     if name_or_path.startswith(BUNDLED_PREFIX) and not Path(name_or_path).exists():
         folder = bundled_root() / name_or_path
         if not (folder / "config.json").is_file():
@@ -28,6 +30,13 @@ def resolve_drafter(name_or_path: str) -> Path:
             raise CheckpointError(f"no bundled drafter {name_or_path!r} (bundled: {known})")
         return folder
     folder = Path(name_or_path).expanduser()
-    if not folder.is_dir():
-        raise CheckpointError(f"drafter folder {folder} does not exist")
-    return folder
+    if folder.is_dir():
+        return folder
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
+        snapshots = cached_snapshots(name_or_path)
+        if snapshots:
+            return snapshots[0]
+        places = ", ".join(str(root / ("models--" + name_or_path.replace("/", "--"))) for root in hf_cache_roots())
+        raise CheckpointError(f"no local copy of {name_or_path} (looked in {places}); DSpark never downloads: "
+                              "pass the drafter's folder")
+    raise CheckpointError(f"drafter folder {folder} does not exist")

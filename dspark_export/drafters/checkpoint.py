@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dspark_export.drafters.config import DrafterConfig
@@ -20,9 +21,12 @@ def build_drafter(config: DrafterConfig) -> torch.nn.Module:
 
 
 def attach_target(drafter: torch.nn.Module, target: Qwen3Model) -> None:
-    """Share the target's embedding and LM head with the drafter (frozen)."""
-    drafter.embed_tokens.weight = target.embed_tokens.weight
-    drafter.lm_head.weight = target.lm_head.weight
+    """Share the target's embedding and LM head with the drafter (frozen), unless the drafter has its own."""
+    shared = drafter.config.shared_names()
+    if "embed_tokens.weight" in shared:
+        drafter.embed_tokens.weight = target.embed_tokens.weight
+    if "lm_head.weight" in shared:
+        drafter.lm_head.weight = target.lm_head.weight
     drafter.embed_tokens.weight.requires_grad_(False)
 
 
@@ -41,22 +45,21 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, dtype: str = "flo
     (folder / "config.json").write_text(drafter.config.to_json())
 
 
-def load_drafter(folder: str | Path, target: Qwen3Model, vocab_hash: str | None = None) -> torch.nn.Module:
-    """Load a drafter folder for `target`, refusing one trained for another target."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_drafter(source, target: Qwen3Model) -> torch.nn.Module:
+    """The torch drafter of a `DrafterSource` (any layout `dspark_export.interop` reads), attached to `target`."""
+    from dspark_export.checkpoint import as_float32
 
-    folder = Path(folder)
-    config = DrafterConfig.from_dir(folder)
-    config.check_target(target.config, vocab_hash)
-    drafter = build_drafter(config)
-    try:
-        state = load_file(str(folder / "model.safetensors"))
-    except (FileNotFoundError, SafetensorError, OSError) as exc:
-        raise CheckpointError(f"cannot read the drafter weights in {folder}: {exc}") from None
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in drafter.frozen_names()]
-    if missing or unexpected:
-        raise CheckpointError(f"drafter weights in {folder} do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    drafter = build_drafter(source.config)
+    state = {}
+    for name, tensor in drafter.state_dict().items():
+        if name in drafter.frozen_names():
+            continue
+        array, dtype = source.read(name)
+        value = torch.from_numpy(np.array(array) if tensor.dtype == torch.long else as_float32(array, dtype))
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"drafter tensor {name} in {source.folder} has shape {list(value.shape)}, "
+                                  f"expected {list(tensor.shape)} from its config")
+        state[name] = value.to(tensor.dtype)
+    drafter.load_state_dict(state, strict=False)
     attach_target(drafter, target)
     return drafter.eval()

@@ -12,7 +12,7 @@ from dspark_export.errors import CheckpointError, ConfigError
 from dspark_runtime.errors import read_json_file
 from dspark_runtime.graph_io import DRAFTER_TYPES
 
-HEADS = ("markov", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "none")  # DeepSpec's markov_head_type names "markov" `vanilla`
 
 
 def default_feature_layers(target_layers: int, drafter_layers: int) -> tuple[int, ...]:
@@ -30,18 +30,26 @@ def default_markov_rank(vocab_size: int) -> int:
 
 @dataclass(frozen=True)
 class DrafterConfig:
+    """A drafter's architecture. Knobs beyond our own defaults exist so that every published DSpark, DFlash
+    and EAGLE-3 layout (`dspark_export.interop`) maps onto one model, one graph and one trainer."""
+
     drafter_type: str  # "dspark" | "dflash" | "eagle3"
     target: dict[str, Any]  # the target's Qwen3Config fields (architecture_fields())
-    vocab_hash: str  # fingerprint of the target tokenizer's vocabulary
+    vocab_hash: str | None  # fingerprint of the target tokenizer's vocabulary (None: imported, size checked only)
     mask_token_id: int
     num_layers: int = 1
     gamma: int = 7  # γ: draft tokens per round
-    feature_layers: tuple[int, ...] = ()
-    head: str = "markov"  # sequential head: "markov" | "rnn" | "none"
+    feature_layers: tuple[int, ...] = ()  # layer l: the output of target decoder layer l; -1: the embeddings
+    head: str = "markov"  # sequential head: "markov" | "gated" | "rnn" | "none"
     markov_rank: int = 64
     confidence: bool = True
+    confidence_with_markov: bool = True  # the confidence head also reads W1[previous token]
+    sample_from_anchor: bool = True  # block [anchor, MASK x (γ-1)] drafts from every row; False: 1+γ rows, row 0 idle
+    draft_vocab_size: int | None = None  # drafts over a vocabulary subset; `d2t` maps its ids to the target's
+    own_embedding: bool = False  # the weights hold `embed_tokens.weight` (else the target's is shared)
+    own_lm_head: bool = False  # the weights hold `lm_head.weight` (always with a draft vocabulary)
     intermediate_size: int | None = None  # default: the target's
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form training notes
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (training, the imported format)
 
     def __post_init__(self) -> None:
         if self.drafter_type not in DRAFTER_TYPES:
@@ -53,14 +61,40 @@ class DrafterConfig:
         if self.drafter_type == "eagle3" and self.num_layers != 1:
             raise ConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers 1)")
         depth = self.target["num_hidden_layers"]
-        bad = [layer for layer in self.feature_layers if not 0 <= layer < depth - 1]
-        if bad or not self.feature_layers:
+        bad = [layer for layer in self.feature_layers if not -1 <= layer < depth]
+        if bad or not self.feature_layers or list(self.feature_layers) != sorted(set(self.feature_layers)):
             raise ConfigError(
-                f"feature layers {list(self.feature_layers)} must be non-empty and within 0..{depth - 2} "
-                f"(the target has {depth} layers; its last layer is never a feature layer)"
+                f"target layers {list(self.feature_layers)} must increase and lie within -1..{depth - 1} (the target "
+                f"has {depth} layers; layer i is the output of decoder layer i, -1 the embeddings)"
             )
-        if self.confidence and self.head == "none":
-            raise ConfigError("the confidence head reads the sequential head's token embedding: it needs head markov or rnn")
+        if self.confidence and self.confidence_with_markov and self.head == "none":
+            raise ConfigError("a confidence head with Markov features needs a sequential head (markov, gated or rnn)")
+        vocab = self.target["vocab_size"]
+        if self.draft_vocab_size is not None and not (0 < self.draft_vocab_size <= vocab and self.own_lm_head):
+            raise ConfigError(f"a draft vocabulary needs its own LM head and at most the target's {vocab} tokens")
+        if not 0 <= self.mask_token_id < vocab:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary of {vocab}")
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of one draft block: γ, or 1 + γ when the anchor row only carries the anchor."""
+        return self.gamma + (0 if self.sample_from_anchor else 1)
+
+    @property
+    def drafted_vocab(self) -> int:
+        """The vocabulary the LM head and the sequential head score."""
+        return self.draft_vocab_size or self.target["vocab_size"]
+
+    @property
+    def confidence_width(self) -> int:
+        """Input width of the confidence head: the hidden state, plus W1[previous token] with Markov features."""
+        markov = self.markov_rank if self.confidence_with_markov else 0
+        return self.target["hidden_size"] + markov
+
+    def shared_names(self) -> tuple[str, ...]:
+        """Tensors the drafter takes from the target (frozen) instead of storing them."""
+        return tuple(name for name, own in (("embed_tokens.weight", self.own_embedding),
+                                            ("lm_head.weight", self.own_lm_head)) if not own)
 
     @property
     def target_config(self) -> Qwen3Config:
@@ -75,19 +109,23 @@ class DrafterConfig:
                     f"drafter was trained for a target with {name}={getattr(mine, name)}, "
                     f"but this target has {name}={getattr(target, name)}"
                 )
-        if vocab_hash is not None and vocab_hash != self.vocab_hash:
+        if None not in (vocab_hash, self.vocab_hash) and vocab_hash != self.vocab_hash:
             raise ConfigError("drafter vocabulary does not match the target tokenizer's (vocabulary hash differs)")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_dir(cls, folder: str | Path) -> "DrafterConfig":
-        file = Path(folder) / "config.json"
-        raw = read_json_file(file, CheckpointError)
+    def from_dict(cls, raw: dict[str, Any], file: Path) -> "DrafterConfig":
+        """Our `config.json` (read from `file`, named in errors)."""
         if "block" in raw:  # drafters trained before γ was named `gamma`
-            raw["gamma"] = raw.pop("block")
+            raw = {k: v for k, v in raw.items() if k != "block"} | {"gamma": raw["block"]}
         try:
             return cls(**(raw | {"feature_layers": tuple(raw["feature_layers"])}))
         except (TypeError, KeyError) as exc:
             raise CheckpointError(f"{file} is not a DSpark drafter config: {exc}") from None
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> "DrafterConfig":
+        file = Path(folder) / "config.json"
+        return cls.from_dict(read_json_file(file, CheckpointError), file)

@@ -49,18 +49,26 @@ def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, targ
     """DSpark / DFlash loss over `anchors` blocks per sequence, all in one drafter forward."""
     config = drafter.config
     batch, length = tokens.shape
+    lead = config.block_rows - config.gamma
     anchors = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator)
-    blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.gamma, config.mask_token_id)
+    blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.gamma, config.mask_token_id, lead)
     context = drafter.fuse(features)
     hidden = drafter.backbone(
         blocks.input_ids.flatten(1), blocks.positions.flatten(1), context,
-        torch.arange(length).expand(batch, length), block_mask(anchors, length, config.gamma),
+        torch.arange(length).expand(batch, length), block_mask(anchors, length, config.block_rows),
     ).view(*blocks.positions.shape, -1)
     logits, confidence = drafter.teacher_forced(hidden, blocks.previous)
-    slot_positions = blocks.positions.clamp(max=length - 1).flatten(1)  # slot j's label is predicted by the target at a+j
-    target_at_slots = torch.gather(target_logits, 1, slot_positions[..., None].expand(-1, -1, target_logits.shape[-1]))
+    # draft k's label x_{a+k+1} is predicted by the target at a+k; a draft vocabulary scores no other token
+    logits = drafter.in_target_vocab(logits[..., lead:, :], -1e4)
+    confidence = None if confidence is None else confidence[..., lead:]
+    predicted_at = (anchors[..., None] + torch.arange(config.gamma)).clamp(max=length - 1).flatten(1)
+    target_at_slots = torch.gather(target_logits, 1, predicted_at[..., None].expand(-1, -1, target_logits.shape[-1]))
+    labels = blocks.labels
+    if drafter.target_ids() is not None:  # a label outside the draft vocabulary adds no cross-entropy
+        drafted = torch.zeros(config.target["vocab_size"], dtype=torch.bool).index_fill(0, drafter.target_ids(), True)
+        labels = torch.where(drafted[labels], labels, -100)
     weights = DSPARK_WEIGHTS if config.drafter_type == "dspark" else DFLASH_WEIGHTS
-    return drafter_loss(logits, target_at_slots.view_as(logits), blocks.labels, blocks.valid, confidence, weights)
+    return drafter_loss(logits, target_at_slots.view_as(logits), labels, blocks.valid, confidence, weights)
 
 
 def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator) -> dict:

@@ -1,9 +1,10 @@
 """The DSpark and DFlash drafter graph: a parallel backbone over [new context; block], then DSpark's
-sequential head (Markov or RNN) and confidence head, and the draws.
+sequential head (Markov, gated or RNN) and confidence head, and the draws.
 
-The block [anchor, MASK x (γ-1)] of each request attends to its slot's cache, the new context of its slot,
-and itself (bidirectionally): one `DSparkVarlenAttention` call in bidirectional mode over [context tokens;
-block tokens]. The new context rows' K/V are the outputs the runtime commits.
+The block [anchor, MASK x (N-1)] of each request (N = γ rows, or 1 + γ in the layout whose anchor row drafts
+nothing) attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
+`DSparkVarlenAttention` call in bidirectional mode over [context tokens; block tokens]. The new context
+rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ from dspark_runtime.graph_io import GraphIO
 def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:
     """The DSpark / DFlash graph: backbone over [context; block], then the sequential and confidence heads."""
     t = config.target_config
-    hq, hkv, d, gamma, vocab = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.gamma, t.vocab_size
+    hq, hkv, d, rows = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block_rows
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
-    # block inputs: [anchor, MASK x (γ-1)] per request at positions anchor_pos + j
+    # block inputs: [anchor, MASK x (N-1)] per request at positions anchor_pos + j
     requests = b.op("Shape", "anchor_ids")
-    offsets = b.const(np.arange(gamma), np.int64)
+    offsets = b.const(np.arange(rows), np.int64)
     block_pos = b.op("Reshape", b.op("Add", b.op("Unsqueeze", "anchor_pos", b.const([1])), offsets), b.const([-1]))
     block_slot = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", "request_slot", b.const([1])),
-                                      b.op("Concat", requests, b.const([gamma]), axis=0)), b.const([-1]))
-    is_anchor = b.const((np.arange(gamma) == 0)[None, :], np.bool_)
+                                      b.op("Concat", requests, b.const([rows]), axis=0)), b.const([-1]))
+    is_anchor = b.const((np.arange(rows) == 0)[None, :], np.bool_)
     block_ids = b.op("Reshape", b.op("Where", is_anchor, b.op("Unsqueeze", "anchor_ids", b.const([1])),
                                      b.const(config.mask_token_id)), b.const([-1]))
-    x = ops.weights.embedding(b, block_ids, "embed_tokens.weight")  # [R·γ, H]
+    x = ops.weights.embedding(b, block_ids, "embed_tokens.weight")  # [R·N, H]
     context = ops.rms_norm(ops.linear("context_features", "fc.weight"), "hidden_norm.weight")  # [C, H]
     all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
     cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
@@ -54,8 +55,8 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         q, k, v = ops.qkv(b.op("Concat", context, h, axis=0), attn, widths)
         k = ops.rope(ops.rms_norm(b.op("Reshape", k, kv_shape), attn + "k_norm.weight"), cos, sin)
         v = b.op("Reshape", v, kv_shape)
-        for name, rows in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
-            b.op("Slice", rows, b.const([0]), context_count, b.const([0]), name=name)
+        for name, projected in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
+            b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
         q = b.op("Slice", q, context_count, end, b.const([0]))
         q = ops.rope(ops.rms_norm(b.op("Reshape", q, q_shape), attn + "q_norm.weight"), cos_blk, sin_blk)
         attended_all = f"attention_{layer}"
@@ -66,53 +67,63 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
         h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
         x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
-    hidden = ops.rms_norm(x, "norm.weight")  # [R·γ, H]
-    base = b.op("Reshape", ops.linear(hidden, "lm_head.weight"), b.op("Concat", requests, b.const([gamma, vocab]), axis=0))
-    _sequential_head(b, ops, config, hidden, base, sampler)
+    hidden = b.op("Reshape", ops.rms_norm(x, "norm.weight"), b.op("Concat", requests, b.const([rows, -1]), axis=0))
+    _sequential_head(b, ops, config, hidden, sampler)  # [R, N, H]
 
 
 GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
 
 
-def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hidden: str, base: str,
-                     sampler: Sampler) -> None:
+def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, block_hidden: str, sampler: Sampler) -> None:
     """Unrolled γ steps under one `If` (bias from the previous token, a draw from one uniform each), then
     the confidence logits of all steps in one product: they need only the hidden state and the previous token.
-    `hidden` [R·γ, H] are the backbone's normed states, `base` [R, γ, V] their base logits.
+    `block_hidden` [R, N, H] are the backbone's normed states of all block rows; rows N-γ.. draft.
 
     CPU graphs draw all-greedy calls from the top `GREEDY_CANDIDATES` base logits of each position: the
     sequential bias is computed for those tokens only, not the whole vocabulary. A greedy draft is only a
     guess (greedy verification checks it against the target's argmax), so this changes speed, not output.
     """
-    weights, vocab, gamma = ops.weights, config.target_config.vocab_size, config.gamma
+    weights, gamma, vocab = ops.weights, config.gamma, config.drafted_vocab
+    lead = config.block_rows - gamma
+    per_step = b.op("Slice", block_hidden, b.const([lead]), b.const([config.block_rows]), b.const([1]))  # [R, γ, H]
     hidden_size = config.target_config.hidden_size
-    per_step = b.op("Reshape", hidden, b.const([-1, gamma, hidden_size]))  # [R, γ, H]
+    base = b.op("Reshape", ops.linear(b.op("Reshape", per_step, b.const([-1, hidden_size])), "lm_head.weight"),
+                b.op("Concat", b.op("Shape", "anchor_ids"), b.const([gamma, vocab]), axis=0))  # [R, γ, V']
+    head = "markov_head."
 
-    def head_input(sub: GraphBuilder, previous: str, state: str | None, k: int) -> tuple[str, str | None]:
-        """The [R, r] vector the Markov output matrix multiplies at step k, and the RNN state."""
-        code = sub.op("Gather", weights("markov_w1.weight"), previous)  # [R, r]
+    def head_input(sub: GraphBuilder, previous: str, state: str | None, h_k: str) -> tuple[str, str | None]:
+        """The [R, r] vector the Markov output matrix multiplies at a step, and the RNN state after it."""
+        code = sub.op("Gather", weights(head + "markov_w1.weight"), previous)  # [R, r]
         if config.head == "markov":
             return code, state
+        if config.head == "gated":
+            gate = weights.linear(sub, sub.op("Concat", h_k, code, axis=-1), head + "gate_proj.weight", head + "gate_proj.bias")
+            return sub.op("Mul", sub.op("Sigmoid", gate), code), state
         if state is None:
             state = sub.op("Mul", code, sub.const(0.0, np.float32))
-        h_k = sub.op("Gather", per_step, sub.const(k), axis=1)  # [R, H]
-        z = weights.linear(sub, sub.op("Concat", state, code, h_k, axis=-1), "rnn.weight", "rnn.bias")
+        z = weights.linear(sub, sub.op("Concat", state, code, h_k, axis=-1), head + "joint_proj.weight", head + "joint_proj.bias")
         gate, candidate, out = sub.op("Split", z, axis=-1, num_outputs=3, outputs=3)
         gate = sub.op("Sigmoid", gate)
         state = sub.op("Add", sub.op("Mul", gate, state),
                        sub.op("Mul", sub.op("Sub", sub.const(1.0, np.float32), gate), sub.op("Tanh", candidate)))
         return sub.op("Tanh", out), state
 
+    def start(sub: GraphBuilder) -> str | None:
+        """The RNN state entering draft 0: the idle anchor row of the 1+γ layout advances it once."""
+        if lead and config.head == "rnn":
+            return head_input(sub, "anchor_ids", None, sub.op("Gather", block_hidden, sub.const(0), axis=1))[1]
+        return None
+
     def chain(sub: GraphBuilder, sample: bool) -> list[str]:
         if not sample and sampler.greedy_shortcut and config.head != "none":
             return greedy_candidates(sub)
-        previous, state = "anchor_ids", None
+        previous, state = "anchor_ids", start(sub)
         tokens, probs = [], []
         for k in range(gamma):
-            logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V]
+            logits = sub.op("Gather", base, sub.const(k), axis=1)  # [R, V']
             if config.head != "none":
-                vector, state = head_input(sub, previous, state, k)
-                logits = sub.op("Add", logits, weights.linear(sub, vector, "markov_w2.weight"))
+                vector, state = head_input(sub, previous, state, sub.op("Gather", per_step, sub.const(k), axis=1))
+                logits = sub.op("Add", logits, weights.linear(sub, vector, head + "markov_w2.weight"))
             token, prob = sampler.draw(sub, logits, k, sample)
             tokens.append(sub.op("Unsqueeze", token, sub.const([1])))
             probs.append(prob)
@@ -121,23 +132,27 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, hi
 
     def greedy_candidates(sub: GraphBuilder) -> list[str]:
         top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
-        rows = sub.op("Transpose", sub.op("Gather", weights("markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
-        previous, state, tokens = "anchor_ids", None, []
+        rows = sub.op("Transpose", sub.op("Gather", weights(head + "markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
+        previous, state, tokens = "anchor_ids", start(sub), []
         for k in range(gamma):
             index = sub.const(k)
-            vector, state = head_input(sub, previous, state, k)
+            vector, state = head_input(sub, previous, state, sub.op("Gather", per_step, index, axis=1))
             bias = sub.op("MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1))  # [R, 1, M]
             scores = sub.op("Add", sub.op("Squeeze", bias, sub.const([1])), sub.op("Gather", top_logits, index, axis=1))
             best = sub.op("ArgMax", scores, axis=-1, keepdims=1)  # [R, 1]
-            tokens.append(sub.op("GatherElements", sub.op("Gather", top_ids, index, axis=1), best, axis=1))
+            chosen = sub.op("GatherElements", sub.op("Gather", top_ids, index, axis=1), best, axis=1)
+            tokens.append(sampler.to_target(sub, chosen))
             previous = sub.op("Squeeze", tokens[-1], sub.const([1]))
         no_distribution = sub.op("Slice", base, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, γ, 0]
         return [sub.op("Concat", *tokens, axis=1), no_distribution]
 
     tokens, _ = sampler.chain(chain, [("draft_tokens", TensorProto.INT64), ("draft_probs", TensorProto.FLOAT)])
-    if config.confidence:  # σ(w · [h_k, W1[previous_k]] + b): previous = [anchor, drafts 0..γ-2]
-        previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
-                        b.op("Slice", tokens, b.const([0]), b.const([gamma - 1]), b.const([1])), axis=1)
-        codes = b.op("Gather", weights("markov_w1.weight"), b.op("Reshape", previous, b.const([-1])))  # [R·γ, r]
-        logits = weights.linear(b, b.op("Concat", hidden, codes, axis=-1), "confidence_head.weight", "confidence_head.bias")
+    if config.confidence:  # σ(w · [h_k; W1[previous_k]] + b), previous = [anchor, drafts 0..γ-2]; or σ(w · h_k + b)
+        hidden = b.op("Reshape", per_step, b.const([-1, hidden_size]))  # [R·γ, H]
+        if config.confidence_with_markov:
+            previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
+                            b.op("Slice", tokens, b.const([0]), b.const([gamma - 1]), b.const([1])), axis=1)
+            codes = b.op("Gather", weights(head + "markov_w1.weight"), b.op("Reshape", previous, b.const([-1])))  # [R·γ, r]
+            hidden = b.op("Concat", hidden, codes, axis=-1)
+        logits = weights.linear(b, hidden, "confidence_head.proj.weight", "confidence_head.proj.bias")
         b.op("Reshape", logits, b.const([-1, gamma]), name="confidence_logits")

@@ -24,8 +24,13 @@ class Sampler:
     whole sequential chain under one, so that each branch can take its own route through the chain.
     """
 
-    def __init__(self, b: GraphBuilder, vocab: int, greedy_shortcut: bool):
+    def __init__(self, b: GraphBuilder, vocab: int, greedy_shortcut: bool, target_ids: np.ndarray | None = None,
+                 target_vocab: int | None = None):
+        """`vocab` is the vocabulary drawn from; with a draft vocabulary, `target_ids` [vocab] maps it into the
+        target's `target_vocab`: tokens are returned as target ids, distributions over the target vocabulary."""
         self.b, self.vocab, self.greedy_shortcut = b, vocab, greedy_shortcut
+        self.target_ids = None if target_ids is None else b.const(np.asarray(target_ids, np.int64))
+        self.target_vocab = target_vocab or vocab
         self.sampling_row = b.op("Greater", "temperature", b.const(0.0, np.float32))  # [R]
         self.any_sampling = b.op("Greater", b.op("ReduceMax", "temperature", keepdims=0), b.const(0.0, np.float32))
         self.safe_t = b.op("Max", b.op("Unsqueeze", "temperature", b.const([1])), b.const(1e-6, np.float32))  # [R, 1]
@@ -63,9 +68,26 @@ class Sampler:
             below = sub.op("ReduceSum", sub.op("Cast", sub.op("Less", cdf, threshold), to=TensorProto.INT64),
                            sub.const([-1]), keepdims=0)
             sampled = sub.op("Min", below, sub.const(vocab - 1))  # inverse CDF: first token whose mass passes u
-            token = sub.op("Where", self.sampling_row, sampled, token)
+            token = self.to_target(sub, sub.op("Where", self.sampling_row, sampled, token))
+            prob = self._on_target_vocab(sub, prob)
         elif self.greedy_shortcut:
+            token = self.to_target(sub, token)
             prob = sub.op("Slice", logits, sub.const([0]), sub.const([0]), sub.const([-1]))  # [R, 0]
         else:
-            prob = sub.op("OneHot", token, sub.const([vocab]), sub.const([0.0, 1.0], np.float32), axis=-1)
+            token = self.to_target(sub, token)
+            prob = sub.op("OneHot", token, sub.const([self.target_vocab]), sub.const([0.0, 1.0], np.float32), axis=-1)
         return token, sub.op("Unsqueeze", prob, sub.const([1]))
+
+    def to_target(self, sub: GraphBuilder, token: str) -> str:
+        """Draft-vocabulary ids -> target ids (unchanged without a draft vocabulary)."""
+        return token if self.target_ids is None else sub.op("Gather", self.target_ids, token)
+
+    def _on_target_vocab(self, sub: GraphBuilder, prob: str) -> str:
+        """[R, V'] draft-vocabulary probabilities -> [R, V] on the target's vocabulary, zero elsewhere."""
+        if self.target_ids is None:
+            return prob
+        rows = sub.op("Slice", sub.op("Shape", prob), sub.const([0]), sub.const([1]))
+        zeros = sub.op("ConstantOfShape", sub.op("Concat", rows, sub.const([self.target_vocab]), axis=0),
+                       value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+        indices = sub.op("Expand", sub.op("Unsqueeze", self.target_ids, sub.const([0])), sub.op("Shape", prob))
+        return sub.op("ScatterElements", zeros, indices, prob, axis=1)

@@ -61,7 +61,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     layers = TargetLayers(b, ops, config, io, lowering, attention, cache_rows or config.max_position_embeddings)
     x = stream.embedding(b, "input_ids", "model.embed_tokens.weight")
     h = ops.rms_norm(x, "model.layers.0.input_layernorm.weight")
-    taps = []
+    taps = [x] if -1 in feature_layers else []
     for layer in range(config.num_hidden_layers):
         h, x = layers.layer(layer, h, x)
         if layer in feature_layers:

@@ -121,11 +121,37 @@ class Weights:
     build checks the widths first) or stays in float (a drafter's small heads, e.g. a Markov rank below the
     block size)."""
 
-    def __init__(self, read: Reader, store: ExternalData, dtype: str, weight_format: WeightFormat = WeightFormat(),
-                 progress: Callable[[int], None] | None = None, strict: bool = True):
+    def __init__(self, read: Reader, store: ExternalData | None, dtype: str, weight_format: WeightFormat = WeightFormat(),
+                 progress: Callable[[int], None] | None = None, strict: bool = True,
+                 lender: "Weights | None" = None, borrowed: dict[str, str] | None = None):
+        """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
+        name) are used from there, in its format and dtype, and stored once for both graphs."""
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
-        self.strict = strict
+        self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
         self.initializers: dict[str, TensorProto] = {}
+
+    @classmethod
+    def lend_from(cls, graph_file: Path, read: Reader, dtype: str, weight_format: WeightFormat) -> "Weights":
+        """The initializers of a built graph (references to its external data, nothing loaded), ready to lend."""
+        import onnx
+
+        lender = cls(read, None, dtype, weight_format)
+        lender.initializers = {t.name: t for t in onnx.load(str(graph_file), load_external_data=False).graph.initializer}
+        return lender
+
+    def _borrow(self, b: GraphBuilder, x: str, name: str, emit: Callable[["Weights", str, str], str],
+                float_input: bool = True) -> str:
+        """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
+        lender, theirs = self.lender, self.borrowed[name]
+        keys = [theirs + ".q", theirs + ".scales"] if lender._quantizes(theirs) else [theirs]
+        missing = [key for key in keys if key not in lender.initializers]
+        if missing:
+            raise ConfigError(f"the target graph has no initializer {missing[0]} to share")
+        self.initializers |= {key: lender.initializers[key] for key in keys}
+        if lender.dtype == self.dtype:
+            return emit(lender, x, theirs)
+        cast = lambda value, dtype: b.op("Cast", value, to=ONNX_DTYPES[dtype])  # noqa: E731
+        return cast(emit(lender, cast(x, lender.dtype) if float_input else x, theirs), self.dtype)
 
     def _quantizes(self, name: str) -> bool:
         if self.format.bits is None:
@@ -155,6 +181,8 @@ class Weights:
         """x [.., in] @ W[out, in]^T (+ the tensor `bias` [out]) -> [.., out]; several `names` are one projection
         onto their concatenated outputs (e.g. q, k and v)."""
         names = [names] if isinstance(names, str) else list(names)
+        if names[0] in self.borrowed and len(names) == 1 and bias is None:
+            return self._borrow(b, x, names[0], lambda lender, x, name: lender.linear(b, x, name))
         if not self._quantizes(names[0]):
             weight = self(names[0]) if len(names) == 1 else self._concatenated(names)
             return b.op("Gemm", x, weight, *([self(bias)] if bias else []), transB=1)
@@ -166,6 +194,8 @@ class Weights:
     def embedding(self, b: GraphBuilder, ids: str, name: str) -> str:
         """Rows `ids` of the [vocab, hidden] table `name`, dequantized in the graph when the format quantizes (the
         same codes serve a tied LM head)."""
+        if name in self.borrowed:
+            return self._borrow(b, ids, name, lambda lender, ids, theirs: lender.embedding(b, ids, theirs), False)
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
         codes, scales, vocab, hidden = self._quantized([name])
