@@ -1,7 +1,7 @@
 """`dspark-export build`: a target (and optionally a drafter) -> an engine directory the runtime runs.
 
 The directory is written under a temporary name beside the destination and renamed only when
-complete, so an interrupted build (a full disk, Ctrl+C) never leaves a folder that looks valid.
+complete (`staging.staged`), so an interrupted build never leaves a folder that looks valid.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights
 from dspark_export.interop import open_drafter
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
+from dspark_export.staging import staged
 from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.tokenizer import ChatTokenizer
@@ -102,10 +103,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         if lowering == "ort" and attention != "gqa":
             print(f"note: GroupQueryAttention cannot serve head size {spec.config.head_dim}; "
                   "the target uses the portable attention op", file=sys.stderr)
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out) as staging:
         total = len(expected_shapes(spec.config))
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, weights, lowering,
@@ -129,12 +127,6 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 
             build_trt_engines(staging, manifest)
         write_manifest(staging, manifest)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

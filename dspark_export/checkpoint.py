@@ -79,6 +79,23 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def write_safetensors(file: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """Write (array, dtype) pairs (bfloat16 as uint16 bits) as one safetensors file, one tensor at a time."""
+    names = {dtype: name for name, (_, dtype) in _DTYPES.items()}
+    header, offset = {}, 0
+    for name, (array, dtype) in tensors.items():
+        size = array.size * np.dtype(_STORAGE[dtype]).itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(array.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with file.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)) + blob)
+        for array, dtype in tensors.values():
+            handle.write(np.ascontiguousarray(array, dtype=_STORAGE[dtype]).tobytes())
+
+
 def tensor_view(info: TensorInfo) -> np.ndarray:
     """A read-only memory map of one tensor (bfloat16 as uint16 bits)."""
     return np.memmap(info.file, dtype=_STORAGE[info.dtype], mode="r", offset=info.start, shape=info.shape)

@@ -208,3 +208,34 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights
                                                                             accuracy_level),
                           kv_memory=parse_size(kv_memory, "--kv-memory"))
     click.echo(f"engine written to {engine}")
+
+
+@main.command()
+@click.argument("drafter")
+@target_options
+@click.option("--to", "layout", type=click.Choice(["speculators", "deepspec"]), required=True,
+              help="speculators: the layout vLLM loads; deepspec: DeepSeek's DeepSpec.")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder to write (config.json, model.safetensors).")
+@click.option("--force", is_flag=True, help="Replace an existing folder.")
+def convert(drafter, target, target_path, layout, out, force) -> None:
+    """Write DRAFTER (a folder, bundled name or cached repo id, in any layout `build` reads) in another engine's layout.
+
+    \b
+    Examples:
+      dspark-export convert demo-dspark --target demo --to speculators --out demo-dspark-speculators
+      dspark-export convert ./my-drafter --target qwen3-8b --to deepspec --out my-drafter-deepspec
+    """
+    from pathlib import Path
+
+    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.interop import open_drafter
+    from dspark_export.interop.export import convert_drafter
+    from dspark_export.presets import PRESETS, resolve_target
+    from dspark_runtime.tokenizer import ChatTokenizer
+
+    spec = resolve_target(*default_to_demo(target, target_path))
+    checkpoint = Checkpoint(spec.require_path(), spec.config)
+    source = open_drafter(resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path()))
+    verifier = PRESETS[spec.name][0] if spec.name in PRESETS else spec.name
+    click.echo(f"drafter written to {convert_drafter(source, checkpoint, layout, Path(out), verifier, force)}")

@@ -162,8 +162,8 @@ class Qwen3Model(nn.Module):
         use_cache: bool = False,
         logits: bool = True,
     ) -> TargetOutput:
-        """input_ids [B, T]; positions [B, T] (default 0..T-1). Feature layer l is the output of decoder layer l
-        (-1: the embeddings).
+        """input_ids [B, T]; positions [B, T] (default 0..T-1). Feature layer l is Hugging Face's
+        `hidden_states[l + 1]`: the output of decoder layer l (the last one after the final norm), -1 the embeddings.
 
         With `use_cache`, keys/values are written to the preallocated caches at `positions` and attention
         reads every cached position up to each token's own.
@@ -177,8 +177,8 @@ class Qwen3Model(nn.Module):
         features = {-1: x} if -1 in feature_layers else {}
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, positions, self.caches[index] if use_cache else None)
-            if index in feature_layers:
-                features[index] = x
+            if index in feature_layers:  # Hugging Face's hidden_states[index + 1]: the last one after the norm
+                features[index] = self.norm(x) if index == len(self.layers) - 1 else x
         return TargetOutput(self.lm_head(self.norm(x)) if logits else None, features)
 
     @classmethod

@@ -33,10 +33,10 @@ import transformers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "interop"
-TARGET = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+TARGET = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=10000.0,
               tie_word_embeddings=False, rms_norm_eps=1e-6)
-MASK = 127
+MASK = 3  # <|mask|> of the tokenizer the end-to-end test trains for this target
 CONTEXTS = (5, 8)  # two requests: target features of positions 0..C-1, anchor at position C
 TEMPERATURE = 0.8
 
@@ -64,7 +64,7 @@ def inputs(features: int, seed: int) -> dict[str, np.ndarray]:
     return {
         "features_0": rng.standard_normal((CONTEXTS[0], features)).astype(np.float32),
         "features_1": rng.standard_normal((CONTEXTS[1], features)).astype(np.float32),
-        "anchors": rng.integers(0, 120, len(CONTEXTS)),
+        "anchors": rng.integers(4, 250, len(CONTEXTS)),
         "noise": rng.uniform(0.01, 0.99, (len(CONTEXTS), 8)).astype(np.float32),
     }
 
@@ -208,7 +208,8 @@ def speculators_case(out: Path, target, name: str, kind: str, layer_ids: list[in
         if draft_vocab is None:
             model.lm_head.weight.copy_(target.lm_head.weight)
         else:
-            selected = torch.sort(torch.randperm(TARGET["vocab_size"], generator=torch.Generator().manual_seed(seed))[:vocab]).values
+            generator = torch.Generator().manual_seed(seed)  # tokens, not padding rows (a tokenizer of ~260 tokens)
+            selected = torch.sort(torch.randperm(256, generator=generator)[:vocab]).values
             t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
             t2d[selected] = True
             model.load_vocab_mappings(t2d, selected - torch.arange(vocab))

@@ -39,7 +39,7 @@ class DrafterConfig:
     mask_token_id: int
     num_layers: int = 1
     gamma: int = 7  # γ: draft tokens per round
-    feature_layers: tuple[int, ...] = ()  # layer l: the output of target decoder layer l; -1: the embeddings
+    feature_layers: tuple[int, ...] = ()  # layer l: Hugging Face's hidden_states[l + 1] of the target (-1: embeddings)
     head: str = "markov"  # sequential head: "markov" | "gated" | "rnn" | "none"
     markov_rank: int = 64
     confidence: bool = True
@@ -65,7 +65,7 @@ class DrafterConfig:
         if bad or not self.feature_layers or list(self.feature_layers) != sorted(set(self.feature_layers)):
             raise ConfigError(
                 f"target layers {list(self.feature_layers)} must increase and lie within -1..{depth - 1} (the target "
-                f"has {depth} layers; layer i is the output of decoder layer i, -1 the embeddings)"
+                f"has {depth} layers; layer i is the output of decoder layer i, Hugging Face's hidden_states[i + 1])"
             )
         if self.confidence and self.confidence_with_markov and self.head == "none":
             raise ConfigError("a confidence head with Markov features needs a sequential head (markov, gated or rnn)")

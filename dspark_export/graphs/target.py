@@ -64,8 +64,8 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     taps = [x] if -1 in feature_layers else []
     for layer in range(config.num_hidden_layers):
         h, x = layers.layer(layer, h, x)
-        if layer in feature_layers:
-            taps.append(x)
+        if layer in feature_layers:  # Hugging Face's hidden_states[layer + 1]: the last one after model.norm
+            taps.append(h if layer == config.num_hidden_layers - 1 else x)
     last = b.op("Gather", h, "logit_index", axis=0)  # h is normed by model.norm after the last layer
     float32 = lambda x, name: b.op("Cast", x, to=TensorProto.FLOAT, name=name) if dtype != "float32" else \
         b.op("Identity", x, name=name)  # noqa: E731
