@@ -237,5 +237,5 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     spec = resolve_target(*default_to_demo(target, target_path))
     checkpoint = Checkpoint(spec.require_path(), spec.config)
     source = open_drafter(resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path()))
-    verifier = PRESETS[spec.name][0] if spec.name in PRESETS else spec.name
+    verifier = PRESETS[spec.name][0] if spec.name in PRESETS else str(spec.require_path().resolve())
     click.echo(f"drafter written to {convert_drafter(source, checkpoint, layout, Path(out), verifier, force)}")

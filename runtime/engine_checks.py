@@ -89,7 +89,7 @@ def check_manifest(raw: Any, folder: Path) -> dict[str, Any]:
         fail(f"vocab_size {raw['vocab_size']} is not the target's {target['vocab_size']}")
     if raw["max_context"] > target["max_position_embeddings"]:
         fail(f"max_context {raw['max_context']} exceeds the model's {target['max_position_embeddings']} positions")
-    if any(layer >= target["num_hidden_layers"] - 1 for layer in raw["feature_layers"]):
+    if any(not -1 <= layer < target["num_hidden_layers"] for layer in raw["feature_layers"]):
         fail(f"feature_layers {raw['feature_layers']} lie outside the target's layers")
     if any(token >= raw["vocab_size"] for token in raw["eos_token_ids"]):
         fail("an end-of-text id lies outside the vocabulary")

@@ -291,6 +291,85 @@ def zlab_case(out: Path, target, name: str, layer_ids: list[int], seed: int) -> 
     record(folder, data, block - 1, run)
 
 
+# EAGLE-3: speculators.models.eagle3 (Qwen3 or Llama layer, draft vocabulary); SpecForge's layout is the Llama
+# one with the layer stored as `midlayer.*` (speculators' own converter maps one onto the other)
+
+def eagle3_case(out: Path, target, name: str, base: str, layer_ids: list[int], draft_vocab: int, specforge: bool,
+                norm_before_residual: bool, seed: int) -> None:
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    gamma = 4
+    dims = TARGET | {"num_hidden_layers": 1}
+    layer_config = transformers.Qwen3Config(**dims) if base == "qwen3" else transformers.LlamaConfig(**dims)
+    layer_config._attn_implementation = "eager"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config, draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=layer_ids,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=gamma)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(out / "target"), architectures=["Qwen3ForCausalLM"])))
+    model = Eagle3DraftModel(config).eval()
+    randomize(model, seed)
+    generator = torch.Generator().manual_seed(seed)
+    selected = torch.sort(torch.randperm(256, generator=generator)[:draft_vocab]).values
+    t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
+    t2d[selected] = True
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    model.load_vocab_mappings(t2d, selected - torch.arange(draft_vocab))
+    folder = out / name
+    model.save_pretrained(folder)
+    (folder / "config.py").unlink()
+    config_file = folder / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw.pop("auto_map")
+    raw["speculators_config"]["verifier"]["name_or_path"] = "Qwen/Qwen3-tiny"
+    if specforge:  # SpecForge: a Llama config of the draft layer, the layer's tensors under `midlayer.`
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        save_file({k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+        raw = layer_config.to_dict() | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+                                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}
+        raw.pop("_attn_implementation_autoset", None)
+    config_file.write_text(json.dumps(raw, indent=2) + "\n")
+    data = inputs(len(layer_ids) * TARGET["hidden_size"], seed)
+    rng = np.random.default_rng(seed)
+    for request, context in enumerate(CONTEXTS):  # entry t holds token x_{t+1}; the last one is the anchor
+        data[f"context_ids_{request}"] = rng.integers(4, 250, context)
+        data["anchors"][request] = data[f"context_ids_{request}"][-1]
+    d2t = model.d2t.clone()
+    to_target = lambda i: (i + d2t[i]).tolist() if torch.is_tensor(i) else i + int(d2t[i])  # noqa: E731
+    layer = model.layers[0]
+
+    @torch.no_grad()
+    def run(request: int, temperature: float):
+        hidden = model.fc(torch.from_numpy(data[f"features_{request}"])[None])  # step-0 hidden of every entry
+        tokens = torch.from_numpy(data[f"context_ids_{request}"])[None]
+        drafted, probs = [], []
+        for step in range(gamma):  # each step reruns the causal layer over [context entries; chain so far]
+            x = torch.cat([model.embed_tokens(tokens), hidden], -1)
+            length = x.shape[1]
+            positions = 1 + torch.arange(length)[None]  # speculators counts entry positions from 1
+            mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+            out = layer(x, attention_mask=mask, position_ids=positions,
+                        position_embeddings=model.rotary_emb(x, positions))
+            logits = model.lm_head(model.norm(out[:, -1]))[0]
+            token, prob = chain(lambda k, previous: logits, 1, 0, data["noise"][request][step:], temperature,
+                                TARGET["vocab_size"], to_target)
+            drafted += token
+            probs += prob
+            tokens = torch.cat([tokens, torch.tensor([token])], 1)
+            hidden = torch.cat([hidden, out[:, -1:]], 1)
+        return drafted, probs, None
+
+    record(folder, data, gamma, run)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
@@ -307,6 +386,8 @@ def main() -> None:
     speculators_case(out, target, "speculators-dspark-1n-pruned", "dspark", [1, 3], False, "rnn", 48, seed=7)
     speculators_case(out, target, "speculators-dflash", "dflash", [1, 3], False, "vanilla", None, seed=8)
     zlab_case(out, target, "zlab-dflash", [1, 2], seed=9)
+    eagle3_case(out, target, "speculators-eagle3", "qwen3", [1, 2, 4], 64, False, True, seed=10)
+    eagle3_case(out, target, "specforge-eagle3", "llama", [2, 3, 4], 40, True, False, seed=11)
     sizes = {p.name: sum(f.stat().st_size for f in p.iterdir()) for p in sorted(out.iterdir())}
     print(json.dumps(sizes, indent=1))
 

@@ -34,6 +34,10 @@ CASES = {  # case -> (layout, our view of its layout)
     "speculators-dflash": ("speculators", dict(drafter_type="dflash", sample_from_anchor=False, gamma=3)),
     "zlab-dflash": ("z-lab", dict(drafter_type="dflash", feature_layers=(1, 2), sample_from_anchor=False, gamma=3,
                                   own_embedding=False, own_lm_head=False)),
+    "speculators-eagle3": ("speculators", dict(drafter_type="eagle3", feature_layers=(0, 1, 3), gamma=4, qk_norm=True,
+                                               norm_before_residual=True, draft_vocab_size=64, own_embedding=False)),
+    "specforge-eagle3": ("specforge", dict(drafter_type="eagle3", feature_layers=(1, 2, 3), qk_norm=False,
+                                           norm_before_residual=False, draft_vocab_size=40, own_lm_head=True)),
 }
 SLOTS, LMAX = 2, 16
 
@@ -54,7 +58,9 @@ def feeds(reference, source, temperature: float) -> dict[str, np.ndarray]:
         "anchor_ids": reference["anchors"].astype(np.int64), "anchor_pos": np.array([len(c) for c in contexts]),
         "request_slot": np.arange(2), "noise": reference["noise"][:, : config.gamma],
         "temperature": np.full(2, temperature, np.float32),
-    } | {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(config.num_layers)}
+    } | {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(config.num_layers)} | (
+        {"context_ids": np.concatenate([reference[f"context_ids_{r}"] for r in range(2)]).astype(np.int64),
+         "context_last": np.cumsum([len(c) for c in contexts]) - 1} if config.drafter_type == "eagle3" else {})
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -75,7 +81,10 @@ def test_onnx_drafter_matches_the_reference(tmp_path, case, greedy_shortcut):
     session = ort.InferenceSession(str(graph))
     outputs = ["draft_tokens", "draft_probs"] + (["confidence_logits"] if source.config.confidence else [])
     for tag, temperature in (("greedy", 0.0), ("sampled", float(reference["temperature"]))):
-        got = dict(zip(outputs, session.run(outputs, feeds(reference, source, temperature))))
+        run_feeds = feeds(reference, source, temperature)
+        names = {i.name for i in session.get_inputs()}
+        got = dict(zip(outputs, session.run(outputs, {k: v for k, v in run_feeds.items() if k in names})))
+        got = {name: value[:, : int(reference["gamma"])] for name, value in got.items()}  # SpecForge: γ is ours to pick
         assert got["draft_tokens"].tolist() == reference[f"{tag}_tokens"].tolist(), tag
         if got["draft_probs"].shape[-1]:  # an all-greedy call of the CPU graph returns no distributions
             np.testing.assert_allclose(got["draft_probs"], reference[f"{tag}_probs"], atol=1e-4)
@@ -88,6 +97,7 @@ def test_torch_drafter_matches_the_reference(case):
     torch = pytest.importorskip("torch")
     from dspark_export.drafters.block_drafter import block_draft
     from dspark_export.drafters.checkpoint import load_drafter
+    from dspark_export.drafters.eagle3 import eagle3_draft
     from dspark_export.model import Qwen3Model
 
     reference = np.load(FIXTURES / case / "reference.npz")
@@ -97,11 +107,16 @@ def test_torch_drafter_matches_the_reference(case):
     for tag, temperature in (("greedy", 0.0), ("sampled", float(reference["temperature"]))):
         for r in range(2):
             features = torch.from_numpy(reference[f"features_{r}"])[None]
-            committed = torch.tensor([[int(reference["anchors"][r])]])
             noise = torch.from_numpy(reference["noise"][r : r + 1, :gamma])
-            draft = block_draft(drafter, committed, features, temperature, noise)
-            assert draft.tokens[0].tolist() == reference[f"{tag}_tokens"][r].tolist(), (tag, r)
-            np.testing.assert_allclose(draft.probs[0].numpy(), reference[f"{tag}_probs"][r], atol=1e-4)
+            if drafter.config.drafter_type == "eagle3":  # entry t holds token t + 1
+                committed = torch.tensor([[0, *reference[f"context_ids_{r}"].tolist()]])
+                draft = eagle3_draft(drafter, committed, features, temperature, noise)
+            else:
+                committed = torch.tensor([[int(reference["anchors"][r])]])
+                draft = block_draft(drafter, committed, features, temperature, noise)
+            n = int(reference["gamma"])
+            assert draft.tokens[0, :n].tolist() == reference[f"{tag}_tokens"][r].tolist(), (tag, r)
+            np.testing.assert_allclose(draft.probs[0, :n].numpy(), reference[f"{tag}_probs"][r], atol=1e-4)
             if drafter.config.confidence:
                 logits = np.log(draft.confidence[0].numpy()) - np.log1p(-draft.confidence[0].numpy())
                 np.testing.assert_allclose(logits, reference[f"{tag}_confidence"][r], atol=1e-3)

@@ -75,6 +75,17 @@ def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path
     assert [r[1:] for r in runs["shifted"]] != [r[1:] for r in runs["ours"]]  # other drafts, other acceptance
 
 
+def test_eagle3_converts_to_speculators_and_back(tmp_path):
+    """demo-eagle3 in speculators' EAGLE-3 layout (its LM head written out, layer ids shifted) drafts as before."""
+    converted = convert("demo-eagle3", "speculators", tmp_path / "speculators")
+    assert json.loads((converted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [4]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runs = [generate(build_engine(resolve_target("demo"), tmp_path / f"engine-{i}", drafter, "eagle3", cache_slots=2,
+                                  max_context=128, show_progress=False), params, "fixed:5")
+            for i, drafter in enumerate((resolve_drafter("demo-eagle3"), converted))]
+    assert runs[0] == runs[1]
+
+
 def test_layer_convention_is_hugging_faces_hidden_states():
     """Target layer i is `hidden_states[i + 1]` of the target in transformers (the last one after the final norm;
     -1 the embeddings), in our ONNX target graph and our torch target."""
@@ -110,13 +121,15 @@ def test_layer_convention_is_hugging_faces_hidden_states():
     np.testing.assert_allclose(features, expected, atol=1e-4)
 
 
-def test_engine_with_an_imported_drafter_is_lossless(target, tmp_path):
-    """A speculators drafter of the 1+N block with an RNN head and a 48-token draft vocabulary (random weights):
-    greedy output equals the target alone, and sampled pairs of tokens follow the target's own distribution."""
+@pytest.mark.parametrize("drafter", ["speculators-dspark-1n-pruned", "specforge-eagle3"])
+def test_engine_with_an_imported_drafter_is_lossless(target, tmp_path, drafter):
+    """Random drafters with draft vocabularies (speculators' 1+N block with an RNN head over 48 tokens; SpecForge's
+    EAGLE-3 over 40): greedy output equals the target alone, sampled pairs of tokens follow the target's own
+    distribution."""
     from tests.test_lossless_sampling import SAMPLES, exact_joint, p_value, sample_pairs
 
-    engine_dir = build_engine(resolve_target(None, target), tmp_path / "engine", FIXTURES / "speculators-dspark-1n-pruned",
-                              "pruned", cache_slots=8, max_context=64, show_progress=False)
+    engine_dir = build_engine(resolve_target(None, target), tmp_path / "engine", FIXTURES / drafter, drafter,
+                              cache_slots=8, max_context=64, show_progress=False)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert [r[0] for r in generate(engine_dir, greedy, "fixed:3")] == [r[0] for r in generate(engine_dir, greedy, "off")]
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
@@ -186,6 +199,9 @@ BAD_DRAFTERS = {  # case: (fixture, how to break it, the one line says)
     "trained for another depth": ("zlab-dflash", lambda f: rewrite(f, {"num_target_layers": 36}),
                                   "target of 36 layers"),
     "other attention shape": ("zlab-dflash", lambda f: rewrite(f, {"num_key_value_heads": 4}), "num_key_value_heads 4"),
+    "EAGLE-3 with a norm DSpark lacks": ("speculators-eagle3", lambda f: rewrite(f, {"norm_output": True}),
+                                         "sets norm_output"),
+    "EAGLE-3 of two layers": ("specforge-eagle3", lambda f: rewrite(f, {"num_hidden_layers": 2}), "DSpark runs one"),
 }
 
 

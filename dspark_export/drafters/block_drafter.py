@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_export.drafters.config import DrafterConfig
+from dspark_export.drafters.vocabulary import DraftVocabulary
 from dspark_export.model import MLP, RMSNorm, rope_tables
 
 
@@ -110,7 +111,7 @@ class ConfidenceHead(nn.Module):
         return self.proj(features)[..., 0]
 
 
-class BlockDrafter(nn.Module):
+class BlockDrafter(DraftVocabulary):
     """DSpark (a sequential head, a confidence head) or DFlash (neither), in every layout `DrafterConfig` names."""
 
     def __init__(self, config: DrafterConfig):
@@ -125,8 +126,7 @@ class BlockDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, target.rms_norm_eps)
         self.layers = nn.ModuleList(InjectedLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(hidden, target.rms_norm_eps)
-        if config.draft_vocab_size is not None:  # draft id d is target id d + d2t[d]
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.init_vocabulary()
         if config.head != "none":
             self.markov_head = SequentialHead(config.head, vocab, config.drafted_vocab, config.markov_rank, hidden)
         if config.confidence:
@@ -148,20 +148,6 @@ class BlockDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, block_rope, context, context_rope, mask)
         return self.norm(x)
-
-    def target_ids(self) -> torch.Tensor | None:
-        """The target id of every draft-vocabulary id (None: the draft vocabulary is the target's)."""
-        if self.config.draft_vocab_size is None:
-            return None
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def in_target_vocab(self, logits: torch.Tensor, fill: float) -> torch.Tensor:
-        """Draft-vocabulary scores [.., V'] on the target's vocabulary [.., V], `fill` where the draft has none."""
-        ids = self.target_ids()
-        if ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), fill)
-        return full.index_copy(-1, ids, logits)
 
     def confidence_logits(self, hidden: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
         features = torch.cat([hidden, code], -1) if self.config.confidence_with_markov else hidden

@@ -48,6 +48,8 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # drafts over a vocabulary subset; `d2t` maps its ids to the target's
     own_embedding: bool = False  # the weights hold `embed_tokens.weight` (else the target's is shared)
     own_lm_head: bool = False  # the weights hold `lm_head.weight` (always with a draft vocabulary)
+    qk_norm: bool = True  # EAGLE-3: per-head q/k norms (Qwen3-based; Llama-based drafters have none)
+    norm_before_residual: bool = False  # EAGLE-3: the residual is the normed hidden state
     intermediate_size: int | None = None  # default: the target's
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (training, the imported format)
 
@@ -59,7 +61,9 @@ class DrafterConfig:
         if self.gamma < 1 or self.num_layers < 1:
             raise ConfigError("gamma and num_layers must be at least 1")
         if self.drafter_type == "eagle3" and self.num_layers != 1:
-            raise ConfigError("the EAGLE-3 baseline has exactly one decoder layer (num_layers 1)")
+            raise ConfigError(f"EAGLE-3 drafters run here with exactly one decoder layer, not {self.num_layers}")
+        if self.drafter_type != "eagle3" and (not self.qk_norm or self.norm_before_residual):
+            raise ConfigError("qk_norm and norm_before_residual are EAGLE-3 knobs; block drafters use Qwen3 layers")
         depth = self.target["num_hidden_layers"]
         bad = [layer for layer in self.feature_layers if not -1 <= layer < depth]
         if bad or not self.feature_layers or list(self.feature_layers) != sorted(set(self.feature_layers)):

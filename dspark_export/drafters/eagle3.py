@@ -1,4 +1,4 @@
-"""EAGLE-3-style autoregressive baseline: one decoder layer over [norm(embedding); norm(hidden)].
+"""EAGLE-3: one decoder layer over [norm(embedding); norm(hidden)], in speculators' layout.
 
 Entry (t, step i) holds the token x_{t+i+1} and a hidden state: at step 0 the fused target features of
 position t, at step i > 0 the layer's own output for (t, i-1). It predicts x_{t+i+2}. Training unrolls
@@ -16,10 +16,42 @@ from torch import nn
 
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.drafters.losses import expected_tau
+from dspark_export.drafters.vocabulary import DraftVocabulary
 from dspark_export.model import MLP, RMSNorm, rope_tables, rotate
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Attention(nn.Module):
+    """Attention over [norm(embedding); norm(hidden)] (2H wide); Qwen3-based drafters norm q and k per head."""
+
+    def __init__(self, target, qk_norm: bool):
+        super().__init__()
+        hidden, d = target.hidden_size, target.head_dim
+        self.q_proj = nn.Linear(2 * hidden, target.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, target.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, target.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(target.num_attention_heads * d, hidden, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, target.rms_norm_eps)
+            self.k_norm = RMSNorm(d, target.rms_norm_eps)
+
+
+class Eagle3Layer(nn.Module):
+    """The first (and here only) EAGLE-3 decoder layer: `input_layernorm` norms the token embedding,
+    `hidden_norm` the hidden state; the residual is the hidden state (normed with `norm_before_residual`)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        target = config.target_config
+        self.input_layernorm = RMSNorm(target.hidden_size, target.rms_norm_eps)
+        self.hidden_norm = RMSNorm(target.hidden_size, target.rms_norm_eps)
+        self.self_attn = Eagle3Attention(target, config.qk_norm)
+        self.post_attention_layernorm = RMSNorm(target.hidden_size, target.rms_norm_eps)
+        self.mlp = MLP(target.hidden_size, config.intermediate_size or target.intermediate_size)
+
+
+class Eagle3Drafter(DraftVocabulary):
+    """Module names are speculators' `Eagle3DraftModel`'s (`layers.0.self_attn.q_proj`, ...)."""
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         target = config.target_config
@@ -27,41 +59,39 @@ class Eagle3Drafter(nn.Module):
         self.config, self.target = config, target
         self.heads, self.kv_heads, self.head_dim = target.num_attention_heads, target.num_key_value_heads, d
         self.embed_tokens = nn.Embedding(target.vocab_size, hidden).requires_grad_(False)
-        self.lm_head = nn.Linear(hidden, target.vocab_size, bias=False).requires_grad_(False)
+        self.lm_head = nn.Linear(hidden, config.drafted_vocab, bias=False).requires_grad_(False)
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-        self.embed_norm = RMSNorm(hidden, target.rms_norm_eps)
-        self.hidden_norm = RMSNorm(hidden, target.rms_norm_eps)
-        self.q_proj = nn.Linear(2 * hidden, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.heads * d, hidden, bias=False)
-        self.q_norm = RMSNorm(d, target.rms_norm_eps)
-        self.k_norm = RMSNorm(d, target.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden, target.rms_norm_eps)
-        self.mlp = MLP(hidden, config.intermediate_size or target.intermediate_size)
+        self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(hidden, target.rms_norm_eps)
+        self.init_vocabulary()
 
     def frozen_names(self) -> tuple[str, ...]:
-        return ("embed_tokens.weight", "lm_head.weight")
+        return self.config.shared_names()
 
     def project(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """tokens [B, T], hidden [B, T, H], positions [B, T] -> q [B, Hq, T, D], k, v [B, Hq, T, D] (GQA expanded)."""
+        layer, attn = self.layers[0], self.layers[0].self_attn
         batch, length = token_ids.shape
-        x = torch.cat([self.embed_norm(self.embed_tokens(token_ids)), self.hidden_norm(hidden)], -1)
+        x = torch.cat([layer.input_layernorm(self.embed_tokens(token_ids)), layer.hidden_norm(hidden)], -1)
         cos, sin = rope_tables(self.target, positions, x.dtype)
         shape = lambda t, heads: t.view(batch, length, heads, self.head_dim)  # noqa: E731
-        q = rotate(self.q_norm(shape(self.q_proj(x), self.heads)).transpose(1, 2), cos, sin)
-        k = rotate(self.k_norm(shape(self.k_proj(x), self.kv_heads)).transpose(1, 2), cos, sin)
-        v = shape(self.v_proj(x), self.kv_heads).transpose(1, 2)
+        q, k = shape(attn.q_proj(x), self.heads), shape(attn.k_proj(x), self.kv_heads)
+        if self.config.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        v = shape(attn.v_proj(x), self.kv_heads).transpose(1, 2)
         group = self.heads // self.kv_heads
         return q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
-    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attended [B, Hq, T, D] + residual hidden [B, T, H] -> the layer's output hidden [B, T, H]."""
-        x = residual + self.o_proj(attended.transpose(1, 2).flatten(2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def finish(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """attended [B, Hq, T, D] + the residual of hidden [B, T, H] -> the layer's output hidden [B, T, H]."""
+        layer = self.layers[0]
+        residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
+        x = residual + layer.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., V'] of hidden states [.., H]."""
         return self.lm_head(self.norm(hidden))
 
     def attend(self, q, k0, v0, visible, chain_k, chain_v) -> torch.Tensor:
@@ -103,11 +133,15 @@ class Eagle3Drafter(nn.Module):
 
 
 def eagle3_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, lengths: torch.Tensor,
-                supervised_from: torch.Tensor, entries: torch.Tensor | None = None, decay: float = 0.8) -> dict[str, torch.Tensor]:
+                supervised_from: torch.Tensor, entries: torch.Tensor | None = None, decay: float = 0.8,
+                target_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Soft cross-entropy against the target's distribution per unrolled step, weighted decay^i.
 
-    Step i at entry t predicts x_{t+i+2}, whose target distribution is target_logits[:, t+i+1].
+    Step i at entry t predicts x_{t+i+2}, whose target distribution is target_logits[:, t+i+1]; with a draft
+    vocabulary (`target_ids`), the target's distribution restricted to it.
     """
+    if target_ids is not None:
+        target_logits = target_logits[..., target_ids]
     batch, length, vocab = target_logits.shape
     entries = torch.arange(length).expand(batch, length) if entries is None else entries
     total = target_logits.new_zeros(())
@@ -140,10 +174,12 @@ def eagle3_draft(drafter: Eagle3Drafter, committed: torch.Tensor, features: torc
     # step 0 of the last entry sees every step-0 entry
     out = drafter.finish(drafter.attend(q[:, :, -1:], k0, v0, everything, [], []), hidden[:, -1:])
     chain_k, chain_v, tokens, probs = [], [], [], []
+    ids = drafter.target_ids()
     for step in range(drafter.config.gamma):
         token, prob = pick(drafter.logits(out)[:, -1], temperature, None if noise is None else noise[:, step])
+        token = token if ids is None else ids[token]
         tokens.append(token)
-        probs.append(prob)
+        probs.append(drafter.in_target_vocab(prob, 0.0))
         if step == drafter.config.gamma - 1:
             break
         q, k, v = drafter.project(token[:, None], out, torch.tensor([[length + step]]))

@@ -77,7 +77,7 @@ def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generat
         # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
         entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
         step_logits = drafter.unroll(tokens, features, drafter.config.gamma, entries)
-        return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries)
+        return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids())
     return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
 
 

@@ -29,18 +29,24 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
     hq, hkv, d = t.num_attention_heads, t.num_key_value_heads, t.head_dim
     q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
 
+    layer, attn = "layers.0.", "layers.0.self_attn."
+    head_norm = lambda x, shape, name: ops.rms_norm(b.op("Reshape", x, shape), attn + name) if config.qk_norm \
+        else b.op("Reshape", x, shape)  # noqa: E731
+
     def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
-        x = b.op("Concat", ops.rms_norm(ops.weights.embedding(b, token_ids, "embed_tokens.weight"), "embed_norm.weight"),
-                 ops.rms_norm(hidden, "hidden_norm.weight"), axis=-1)
+        embedded = ops.weights.embedding(b, token_ids, "embed_tokens.weight")
+        x = b.op("Concat", ops.rms_norm(embedded, layer + "input_layernorm.weight"),
+                 ops.rms_norm(hidden, layer + "hidden_norm.weight"), axis=-1)
         cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
-        q, k, v = ops.qkv(x, "", [hq * d, hkv * d, hkv * d])
-        q = ops.rope(ops.rms_norm(b.op("Reshape", q, q_shape), "q_norm.weight"), cos, sin)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", k, kv_shape), "k_norm.weight"), cos, sin)
+        q, k, v = ops.qkv(x, attn, [hq * d, hkv * d, hkv * d])
+        q = ops.rope(head_norm(q, q_shape, "q_norm.weight"), cos, sin)
+        k = ops.rope(head_norm(k, kv_shape, "k_norm.weight"), cos, sin)
         return q, k, b.op("Reshape", v, kv_shape)
 
-    def finish(attended: str, residual: str) -> str:
-        x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), "o_proj.weight"))
-        return b.op("Add", x, ops.swiglu(ops.rms_norm(x, "post_attention_layernorm.weight"), "mlp."))
+    def finish(attended: str, hidden: str) -> str:
+        residual = ops.rms_norm(hidden, layer + "hidden_norm.weight") if config.norm_before_residual else hidden
+        x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
+        return b.op("Add", x, ops.swiglu(ops.rms_norm(x, layer + "post_attention_layernorm.weight"), layer + "mlp."))
 
     def attend(query: str, keys: list[str], values: list[str], slots: list[str], positions: list[str]) -> str:
         """Causal varlen attention of `query` (the newest rows) over [context entries; chain so far]."""

@@ -1,8 +1,8 @@
 """Drafters in and out of DSpark: the published layouts a drafter folder may use, read into our view
 (`DrafterSource`), and ours written out in the layouts vLLM and other engines load (`export`).
 
-Read: ours (`drafter_type` in config.json), DeepSpec's `Qwen3DSparkModel`, speculators' `dspark` and
-`dflash` (0.9.0), z-lab's `DFlashDraftModel`. Target layers follow one convention inside DSpark: layer i is
+Read: ours (`drafter_type` in config.json), DeepSpec's `Qwen3DSparkModel`, speculators' `dspark`, `dflash`
+and `eagle3` (0.9.0), z-lab's `DFlashDraftModel`, SpecForge's EAGLE-3 (`LlamaForCausalLMEagle3`). Target layers follow one convention inside DSpark: layer i is
 the output of decoder layer i (Hugging Face `hidden_states[i + 1]`), -1 the embeddings; speculators counts
 from the embeddings (its i is our i - 1), and the readers translate.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 from dspark_export.checkpoint import Checkpoint, index_tensors
 from dspark_export.config import Qwen3Config
 from dspark_export.errors import CheckpointError, ConfigError
-from dspark_export.interop import deepspec, native, speculators, zlab
+from dspark_export.interop import deepspec, native, specforge, speculators, zlab
 from dspark_export.interop.source import DrafterSource, Target
 from dspark_runtime.errors import read_json_file
 
-LAYOUTS = (native, deepspec, speculators, zlab)
+LAYOUTS = (native, deepspec, speculators, zlab, specforge)
 
 
 def open_drafter(folder: str | Path, config: Qwen3Config, checkpoint: Checkpoint | None = None,

@@ -47,13 +47,45 @@ def head_fields(source: DrafterSource) -> dict[str, Any]:
 def own_tensors(source: DrafterSource) -> dict[str, tuple[np.ndarray, str]]:
     """Every tensor the drafter stores (the ones it shares with the target excluded), by our names."""
     return {name: source.read(name) for name in sorted(source.tensors) if name not in source.config.shared_names()
-            and name != "t2d"}
+            and name not in ("t2d", "d2t")}
+
+
+def speculators_config(kind: str, gamma: int, verifier: str) -> dict[str, Any]:
+    return {"algorithm": kind, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": gamma, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": ["Qwen3ForCausalLM"]}}
+
+
+def with_vocabulary_map(source: DrafterSource, tensors: dict) -> dict:
+    """speculators stores a draft vocabulary as `d2t` (offsets) and `t2d` (a mask over the target's)."""
+    if source.config.draft_vocab_size is None:
+        return tensors
+    t2d = np.zeros(source.config.target["vocab_size"], np.bool_)
+    t2d[source.target_ids()] = True
+    return tensors | {"d2t": source.read("d2t"), "t2d": (t2d, "bool")}
+
+
+def eagle3_to_speculators(source: DrafterSource, target: Checkpoint, verifier: str) -> tuple[dict, dict]:
+    """speculators' EAGLE-3: a Qwen3 layer config (a Llama one without per-head q/k norms); the LM head always
+    stored, the embedding never."""
+    config = source.config
+    layers = drafter_layers_config(source)
+    if not config.qk_norm:
+        layers = layers | {"model_type": "llama"}
+    raw = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+           "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layers,
+           "draft_vocab_size": config.drafted_vocab, "norm_before_residual": config.norm_before_residual,
+           "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in config.feature_layers],
+           "tie_word_embeddings": False, "speculators_config": speculators_config("eagle3", config.gamma, verifier)}
+    head = source.read("lm_head.weight") if config.own_lm_head else target.raw(target.lm_head_name())
+    return raw, with_vocabulary_map(source, own_tensors(source) | {"lm_head.weight": head})
 
 
 def to_speculators(source: DrafterSource, target: Checkpoint, verifier: str) -> tuple[dict, dict]:
     config = source.config
     if config.drafter_type == "eagle3":
-        raise ConfigError("convert --to speculators writes DSpark and DFlash drafters")
+        return eagle3_to_speculators(source, target, verifier)
     if config.own_embedding:
         raise ConfigError("speculators drafters read the verifier's embedding; this drafter has its own")
     if config.own_lm_head and config.draft_vocab_size is None:
@@ -67,20 +99,9 @@ def to_speculators(source: DrafterSource, target: Checkpoint, verifier: str) -> 
         "aux_hidden_state_layer_ids": [layer + 1 for layer in config.feature_layers],  # counted from the embeddings
         "mask_token_id": config.mask_token_id, "sliding_window_non_causal": False,
         "sample_from_anchor": config.sample_from_anchor, "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": kind, "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.gamma, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier, "architectures": ["Qwen3ForCausalLM"]},
-        },
+        "speculators_config": speculators_config(kind, config.gamma, verifier),
     } | (head_fields(source) if kind == "dspark" else {})
-    tensors = own_tensors(source)
-    if config.draft_vocab_size is not None:
-        tensors["d2t"] = source.read("d2t")
-        t2d = np.zeros(config.target["vocab_size"], np.bool_)
-        t2d[source.target_ids()] = True
-        tensors["t2d"] = (t2d, "bool")
-    return raw, tensors
+    return raw, with_vocabulary_map(source, own_tensors(source))
 
 
 def to_deepspec(source: DrafterSource, target: Checkpoint, verifier: str) -> tuple[dict, dict]:

@@ -41,7 +41,7 @@ class DrafterSource:
     folder: Path
     layout: str  # "dspark" (ours), "deepspec", "speculators", "z-lab"
     config: DrafterConfig
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # by our names
     rows: dict[str, int] = field(default_factory=dict)  # tensors cut or zero-padded to this many rows
     identity_d2t: bool = False  # a draft vocabulary that is the first rows of the target's (padding differs)
 
@@ -92,11 +92,15 @@ def check_geometry(drafter: dict[str, Any], target: Target, where: Path) -> int:
 
 
 def imported(folder: Path, layout: str, fields: dict[str, Any], tensors: dict[str, TensorInfo], target: Target,
-             drafter_vocab: int) -> DrafterSource:
+             drafter_vocab: int, renamed: dict[str, str] | None = None) -> DrafterSource:
     """Our view of an imported drafter: `fields` are its DrafterConfig fields but the vocabulary ones, which
-    this settles from the stored tables; `drafter_vocab` is the vocabulary its config declares. Without the
-    target's tokenizer any difference in vocabulary is refused."""
+    this settles from the stored tables; `drafter_vocab` is the vocabulary its config declares; `renamed` maps
+    our tensor names to the layout's where they differ. Without the target's tokenizer any difference in
+    vocabulary is refused."""
     vocab, tokens = target.config.vocab_size, target.tokens
+    renamed = renamed or {}
+    tensors = {ours: tensors[theirs] for ours, theirs in renamed.items() if theirs in tensors} | {
+        name: info for name, info in tensors.items() if name not in renamed.values()}
     if drafter_vocab != vocab and (tokens is None or min(drafter_vocab, vocab) < tokens):
         beyond = f": the tokenizer has {tokens} tokens, so more than padding differs" if tokens else ""
         raise ConfigError(f"the drafter in {folder} has a vocabulary of {drafter_vocab}, the target {vocab}{beyond}")
