@@ -93,7 +93,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
 
     def head_input(sub: GraphBuilder, previous: str, state: str | None, h_k: str) -> tuple[str, str | None]:
         """The [R, r] vector the Markov output matrix multiplies at a step, and the RNN state after it."""
-        code = sub.op("Gather", weights(head + "markov_w1.weight"), previous)  # [R, r]
+        code = weights.embedding(sub, previous, head + "markov_w1.weight")  # [R, r]
         if config.head == "markov":
             return code, state
         if config.head == "gated":
@@ -152,7 +152,7 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
         if config.confidence_with_markov:
             previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
                             b.op("Slice", tokens, b.const([0]), b.const([gamma - 1]), b.const([1])), axis=1)
-            codes = b.op("Gather", weights(head + "markov_w1.weight"), b.op("Reshape", previous, b.const([-1])))  # [R·γ, r]
+            codes = weights.embedding(b, b.op("Reshape", previous, b.const([-1])), head + "markov_w1.weight")  # [R·γ, r]
             hidden = b.op("Concat", hidden, codes, axis=-1)
         logits = weights.linear(b, hidden, "confidence_head.proj.weight", "confidence_head.proj.bias")
         b.op("Reshape", logits, b.const([-1, gamma]), name="confidence_logits")
