@@ -132,7 +132,9 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
 
     def greedy_candidates(sub: GraphBuilder) -> list[str]:
         top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
-        rows = sub.op("Transpose", sub.op("Gather", weights(head + "markov_w2.weight"), top_ids), perm=[0, 1, 3, 2])  # [R, γ, r, M]
+        flat = weights.embedding(sub, sub.op("Reshape", top_ids, sub.const([-1])), head + "markov_w2.weight")  # W2 rows
+        rows = sub.op("Transpose", sub.op("Reshape", flat, sub.op("Concat", sub.op("Shape", top_ids), sub.const([config.markov_rank]),
+                                                                   axis=0)), perm=[0, 1, 3, 2])  # [R, γ, r, M]
         previous, state, tokens = "anchor_ids", start(sub), []
         for k in range(gamma):
             index = sub.const(k)

@@ -199,9 +199,12 @@ class Weights:
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
         codes, scales, vocab, hidden = self._quantized([name])
-        table = b.op("Reshape", codes, b.const([vocab, -1]))
-        return b.op("GatherBlockQuantized", table, ids, scales, domain="com.microsoft", bits=self.format.bits,
-                    block_size=self.format.block_size, gather_axis=0, quantize_axis=1)
+        # the codes as MatMulNBits stores them, [vocab, blocks, bytes per block], quantized along their last axis:
+        # no reshape of the codes, which ONNX Runtime would fold into a second copy (only the scales get one)
+        rows = b.op("GatherBlockQuantized", codes, ids, b.op("Reshape", scales, b.const([vocab, -1, 1])),
+                    domain="com.microsoft", bits=self.format.bits, block_size=self.format.block_size, gather_axis=0,
+                    quantize_axis=2)
+        return b.op("Reshape", rows, b.const([-1, hidden]))
 
     def _concatenated(self, names: list[str]) -> str:
         key = "+".join(names)
