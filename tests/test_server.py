@@ -202,6 +202,8 @@ def test_disconnect_mid_stream_cancels_the_request(server, monkeypatch):
     submitted = []
     original = engine.submit
     monkeypatch.setattr(engine, "submit", lambda *a, **k: submitted.append(original(*a, **k)) or submitted[-1])
+    run = engine.core.target.run
+    monkeypatch.setattr(engine.core.target, "run", lambda feeds: time.sleep(0.002) or run(feeds))  # a slower model
     body = {"prompt": "Hello", "max_tokens": 1000, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
