@@ -254,7 +254,9 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event. ASCII JSON: a U+2028 or U+0085 in generated text would end the line early for
+    clients that split lines the way Python's `str.splitlines` does (httpx's `iter_lines`)."""
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 def serve(engine: Engine, options: ServerOptions, port: int) -> None:

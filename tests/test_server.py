@@ -253,3 +253,12 @@ def test_soak_64_streams_with_random_aborts(server):
     assert completed and all(o in ("length", "stop") for o in completed), outcomes
     status = wait_idle(engine, 60)
     assert status == {"active": 0, "waiting": 0, "free_slots": status["slots"], "slots": status["slots"]}
+
+
+def test_events_stay_one_line_whatever_the_text():
+    """Generated text may hold U+2028 or U+0085, which `str.splitlines` (httpx's `iter_lines`) treats as line ends."""
+    from dspark_runtime.server import sse
+
+    event = sse({"text": "a\u2028b\x85c\nd"})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):])["text"] == "a\u2028b\x85c\nd"
