@@ -27,8 +27,12 @@ def reliability_png(logits: np.ndarray, accepted: np.ndarray, temperatures: np.n
         for k in range(gamma):
             index = np.minimum((predicted[:, k] * bins).astype(int), bins - 1)
             filled = [b for b in range(bins) if (index == b).any()]
-            axis.plot([predicted[index == b, k].mean() for b in filled], [outcomes[index == b, k].mean() for b in filled],
-                      marker=".", label=f"k={k + 1}")
+            axis.plot(
+                [predicted[index == b, k].mean() for b in filled],
+                [outcomes[index == b, k].mean() for b in filled],
+                marker=".",
+                label=f"k={k + 1}",
+            )
         axis.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
         axis.set_title(f"prefix survival, {title}")
         axis.set_xlabel("predicted Π c_i")

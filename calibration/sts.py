@@ -56,8 +56,14 @@ def calibration_report(logits: np.ndarray, accepted: np.ndarray, temperatures: n
     perfectly calibrated predictor would show on as many rounds (`ece_floor`, after STS)."""
     gamma = np.asarray(logits).shape[1]
     outcomes = prefix_outcomes(accepted, gamma)
-    report: dict = {"temperatures": [round(float(t), 4) for t in temperatures], "biases": [round(float(b), 4) for b in biases]}
-    predictions = {"before": prefix_survival(logits, np.ones(gamma)), "after": prefix_survival(logits, temperatures, biases)}
+    report: dict = {
+        "temperatures": [round(float(t), 4) for t in temperatures],
+        "biases": [round(float(b), 4) for b in biases],
+    }
+    predictions = {
+        "before": prefix_survival(logits, np.ones(gamma)),
+        "after": prefix_survival(logits, temperatures, biases),
+    }
     for name, predicted in predictions.items():
         report[name] = {
             "ece": [round(ece(predicted[:, k], outcomes[:, k], bins), 5) for k in range(gamma)],

@@ -22,7 +22,14 @@ from dspark_export.interop import open_drafter
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
-from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, TOKENIZER_FILES, Manifest, weights_digest, write_manifest
+from dspark_runtime.engine_dir import (
+    DRAFTER_GRAPH,
+    TARGET_GRAPH,
+    TOKENIZER_FILES,
+    Manifest,
+    weights_digest,
+    write_manifest,
+)
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.tokenizer import ChatTokenizer
 
@@ -66,7 +73,9 @@ def check_options(config: Qwen3Config, backend: str, dtype: str, weights: Weight
         if chosen is not None and chosen.bits and backend == "trt":
             raise DSparkError(f"{option} {chosen.name} needs --backend ort (TensorRT engines keep float weights)")
     if drafter_weights is not None and drafter_weights.bits is None and drafter_weights.name != "fp32":
-        raise DSparkError(f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8 or int4")
+        raise DSparkError(
+            f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8 or int4"
+        )
     if weights.bits:
         widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
         bad = [w for w in widths if w % weights.block_size]
@@ -110,16 +119,28 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                               size.cache_rows, progress=bar.update)
         if source is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions
             target_graph = Weights.lend_from(staging / TARGET_GRAPH, checkpoint.raw, dtype, weights)
-            build_drafter_onnx(source, checkpoint, staging / DRAFTER_GRAPH, drafter_weights, backend == "ort", target_graph)
+            build_drafter_onnx(
+                source, checkpoint, staging / DRAFTER_GRAPH, drafter_weights, backend == "ort", target_graph
+            )
         for name in TOKENIZER_FILES + ("chat_template.jinja",):
             if (folder / name).is_file():
                 shutil.copy(folder / name, staging / name)
         manifest = Manifest(
-            target=spec.config.to_hf_dict(), target_name=spec.name, drafter=(drafter_config and _config_dict(drafter_config)),
-            drafter_name=drafter_name, dtype=dtype, backend=backend, cache_slots=cache_slots,
-            max_context=size.max_context, max_batch_tokens=max_batch_tokens, vocab_size=spec.config.vocab_size,
-            eos_token_ids=list(tokenizer.eos_token_ids), feature_layers=feature_layers, weights=weights.name,
-            drafter_weights=drafter_config and drafter_weights.name, attention=attention,
+            target=spec.config.to_hf_dict(),
+            target_name=spec.name,
+            drafter=(drafter_config and _config_dict(drafter_config)),
+            drafter_name=drafter_name,
+            dtype=dtype,
+            backend=backend,
+            cache_slots=cache_slots,
+            max_context=size.max_context,
+            max_batch_tokens=max_batch_tokens,
+            vocab_size=spec.config.vocab_size,
+            eos_token_ids=list(tokenizer.eos_token_ids),
+            feature_layers=feature_layers,
+            weights=weights.name,
+            drafter_weights=drafter_config and drafter_weights.name,
+            attention=attention,
             sources=source_digests(folder, drafter_dir),
         )
         if backend == "trt":

@@ -24,18 +24,45 @@ def target_options(command):
 def engine_options(command):
     """How an engine is sized and stored, shared by `build` and `inspect` so that both report the same memory."""
     options = [
-        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-                     help="Activation precision (float32 on CPU; bfloat16 needs --backend trt)."),
-        click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default=None,
-                     help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4."),
-        click.option("--quant-block-size", type=click.IntRange(min=16), default=32, show_default=True,
-                     help="Weights per quantization block (int8, int4)."),
-        click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-                     help="int8/int4 compute: 4 quantizes activations to int8 (fast on CPUs), 0 dequantizes to float."),
-        click.option("--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests."),
-        click.option("--max-context", type=click.IntRange(min=2), default=None,
-                     help="Tokens per request (default: what --kv-memory holds, at most the model's positions)."),
-        click.option("--kv-memory", default="4GiB", show_default=True, help="KV cache budget that sizes the default context."),
+        click.option(
+            "--dtype",
+            type=click.Choice(DTYPES),
+            default="float32",
+            show_default=True,
+            help="Activation precision (float32 on CPU; bfloat16 needs --backend trt).",
+        ),
+        click.option(
+            "--weights",
+            type=click.Choice(WEIGHT_FORMATS),
+            default=None,
+            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4.",
+        ),
+        click.option(
+            "--quant-block-size",
+            type=click.IntRange(min=16),
+            default=32,
+            show_default=True,
+            help="Weights per quantization block (int8, int4).",
+        ),
+        click.option(
+            "--accuracy-level",
+            type=click.IntRange(0, 4),
+            default=4,
+            show_default=True,
+            help="int8/int4 compute: 4 quantizes activations to int8 (fast on CPUs), 0 dequantizes to float.",
+        ),
+        click.option(
+            "--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests."
+        ),
+        click.option(
+            "--max-context",
+            type=click.IntRange(min=2),
+            default=None,
+            help="Tokens per request (default: what --kv-memory holds, at most the model's positions).",
+        ),
+        click.option(
+            "--kv-memory", default="4GiB", show_default=True, help="KV cache budget that sizes the default context."
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -77,7 +104,9 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 
     spec = resolve_target(target, target_path)
     fmt = weight_format(dtype, weights, quant_block_size)
-    size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory"))
+    size = size_engine(
+        spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory")
+    )
     report = describe_target(spec, size, dtype, fmt.name)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
@@ -85,23 +114,63 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 @main.command()
 @target_options
 @click.option("--drafter-type", type=click.Choice(DRAFTER_TYPES), default="dspark", show_default=True)
-@click.option("--head", type=click.Choice(["markov", "rnn"]), default="markov", show_default=True, help="DSpark's sequential head.")
+@click.option(
+    "--head",
+    type=click.Choice(["markov", "rnn"]),
+    default="markov",
+    show_default=True,
+    help="DSpark's sequential head.",
+)
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Drafter layers.")
 @click.option("--gamma", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
-@click.option("--markov-rank", type=click.IntRange(min=1), default=None, help="Rank r of the Markov head (default by vocabulary).")
-@click.option("--feature-layers", default=None, help="Comma-separated target layers (default: evenly spaced from 1 to L-3).")
-@click.option("--data", type=click.Path(dir_okay=False, exists=True), required=True, multiple=True,
-              help="Self-distillation .npz (repeat to train on several).")
+@click.option(
+    "--markov-rank", type=click.IntRange(min=1), default=None, help="Rank r of the Markov head (default by vocabulary)."
+)
+@click.option(
+    "--feature-layers", default=None, help="Comma-separated target layers (default: evenly spaced from 1 to L-3)."
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, exists=True),
+    required=True,
+    multiple=True,
+    help="Self-distillation .npz (repeat to train on several).",
+)
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Drafter folder to write.")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
-@click.option("--anchors", type=click.IntRange(min=1), default=32, show_default=True, help="Anchor blocks per sequence.")
+@click.option(
+    "--anchors", type=click.IntRange(min=1), default=32, show_default=True, help="Anchor blocks per sequence."
+)
 @click.option("--lr", type=float, default=6e-4, show_default=True)
-@click.option("--until", type=click.IntRange(min=1), default=None, help="Stop at this step (resume later with the same command).")
-@click.option("--save-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Precision of the written weights (the bundled drafters use bfloat16).")
-def train(target, target_path, drafter_type, head, layers, gamma, markov_rank, feature_layers, data, out, steps, batch,
-          anchors, lr, until, save_dtype) -> None:
+@click.option(
+    "--until", type=click.IntRange(min=1), default=None, help="Stop at this step (resume later with the same command)."
+)
+@click.option(
+    "--save-dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Precision of the written weights (the bundled drafters use bfloat16).",
+)
+def train(
+    target,
+    target_path,
+    drafter_type,
+    head,
+    layers,
+    gamma,
+    markov_rank,
+    feature_layers,
+    data,
+    out,
+    steps,
+    batch,
+    anchors,
+    lr,
+    until,
+    save_dtype,
+) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
 
     \b
@@ -132,10 +201,19 @@ def train(target, target_path, drafter_type, head, layers, gamma, markov_rank, f
 
 @main.command("eval")
 @target_options
-@click.option("--drafter", "drafters", multiple=True, required=True, help="Drafter folder or bundled name (repeatable).")
-@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None, help="JSON-lines prompts (default: the demo's).")
+@click.option(
+    "--drafter", "drafters", multiple=True, required=True, help="Drafter folder or bundled name (repeatable)."
+)
+@click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSON-lines prompts (default: the demo's).",
+)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
-@click.option("--max-new", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens generated per prompt.")
+@click.option(
+    "--max-new", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens generated per prompt."
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of per-position acceptance curves.")
@@ -163,26 +241,54 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
     results = []
     for name, drafter in loaded.items():
         with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:
-            result = {"drafter": name} | evaluate(model, drafter, rows, tokenizer, temperature, max_new, seed, bar.update)
+            result = {"drafter": name} | evaluate(
+                model, drafter, rows, tokenizer, temperature, max_new, seed, bar.update
+            )
         results.append(result)
     if plot:
         plot_acceptance(results, plot)
-    click.echo(json_module.dumps(results[0] if len(results) == 1 else {"results": results}, indent=None if as_json else 2))
+    click.echo(
+        json_module.dumps(results[0] if len(results) == 1 else {"results": results}, indent=None if as_json else 2)
+    )
 
 
 @main.command()
 @target_options
-@click.option("--drafter", default=None, help="Drafter folder or bundled name (demo: demo-dspark if bundled); none = target only.")
+@click.option(
+    "--drafter", default=None, help="Drafter folder or bundled name (demo: demo-dspark if bundled); none = target only."
+)
 @click.option("--no-drafter", is_flag=True, help="Build a target-only engine even where a default drafter exists.")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache).")
+@click.option(
+    "--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache)."
+)
 @click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True)
 @engine_options
-@click.option("--drafter-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
-              help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).")
+@click.option(
+    "--drafter-weights",
+    type=click.Choice(WEIGHT_FORMATS),
+    default=None,
+    help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).",
+)
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
-def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights, quant_block_size, accuracy_level, cache_slots,
-          max_context, kv_memory, drafter_weights, max_batch_tokens, force) -> None:
+def build(
+    target,
+    target_path,
+    drafter,
+    no_drafter,
+    out,
+    backend,
+    dtype,
+    weights,
+    quant_block_size,
+    accuracy_level,
+    cache_slots,
+    max_context,
+    kv_memory,
+    drafter_weights,
+    max_batch_tokens,
+    force,
+) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
 
     \b
@@ -202,20 +308,37 @@ def build(target, target_path, drafter, no_drafter, out, backend, dtype, weights
     drafter_dir = None if no_drafter or drafter is None else resolve_drafter(drafter)
     drafter_name = None if drafter_dir is None else (drafter if drafter.startswith("demo-") else drafter_dir.name)
     out_dir = Path(out) if out else default_engine_dir(spec.name, drafter_name)
-    engine = build_engine(spec, out_dir, drafter_dir, drafter_name, backend, dtype, cache_slots, max_context,
-                          max_batch_tokens, force, weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
-                          drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size,
-                                                                            accuracy_level),
-                          kv_memory=parse_size(kv_memory, "--kv-memory"))
+    engine = build_engine(
+        spec,
+        out_dir,
+        drafter_dir,
+        drafter_name,
+        backend,
+        dtype,
+        cache_slots,
+        max_context,
+        max_batch_tokens,
+        force,
+        weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
+        drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
+        kv_memory=parse_size(kv_memory, "--kv-memory"),
+    )
     click.echo(f"engine written to {engine}")
 
 
 @main.command()
 @click.argument("drafter")
 @target_options
-@click.option("--to", "layout", type=click.Choice(["speculators", "deepspec"]), required=True,
-              help="speculators: the layout vLLM loads; deepspec: DeepSeek's DeepSpec.")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder to write (config.json, model.safetensors).")
+@click.option(
+    "--to",
+    "layout",
+    type=click.Choice(["speculators", "deepspec"]),
+    required=True,
+    help="speculators: the layout vLLM loads; deepspec: DeepSeek's DeepSpec.",
+)
+@click.option(
+    "--out", type=click.Path(file_okay=False), required=True, help="Folder to write (config.json, model.safetensors)."
+)
 @click.option("--force", is_flag=True, help="Replace an existing folder.")
 def convert(drafter, target, target_path, layout, out, force) -> None:
     """Write DRAFTER (a folder, bundled name or cached repo id, in any layout `build` reads) in another engine's layout.
@@ -236,6 +359,8 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
 
     spec = resolve_target(*default_to_demo(target, target_path))
     checkpoint = Checkpoint(spec.require_path(), spec.config)
-    source = open_drafter(resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path()))
+    source = open_drafter(
+        resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path())
+    )
     verifier = PRESETS[spec.name][0] if spec.name in PRESETS else str(spec.require_path().resolve())
     click.echo(f"drafter written to {convert_drafter(source, checkpoint, layout, Path(out), verifier, force)}")

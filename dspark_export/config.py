@@ -40,7 +40,9 @@ class Qwen3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.rope_type not in SUPPORTED_ROPE:
-            raise ConfigError(f"rope scaling {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+            raise ConfigError(
+                f"rope scaling {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported (supported: {', '.join(DTYPES)})")
         if self.head_dim % 2:

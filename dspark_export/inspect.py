@@ -29,16 +29,25 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: str
             "kv_heads": config.num_key_value_heads,
             "head_dim": config.head_dim,
             "rope_theta": config.rope_theta,
-            "rope_scaling": config.rope_type if config.rope_type == "default" else f"{config.rope_type} x{config.rope_factor:g}",
+            "rope_scaling": config.rope_type
+            if config.rope_type == "default"
+            else f"{config.rope_type} x{config.rope_factor:g}",
             "tie_word_embeddings": config.tie_word_embeddings,
             "max_position_embeddings": config.max_position_embeddings,
         },
         "vocab_size": config.vocab_size,
         "parameters": config.num_parameters(),
         "dtype": stored,
-        "memory": {"dtype": dtype, "weights": weights, "slots": size.slots, "context": size.max_context,
-                   "weights_bytes": size.weight_bytes, "kv_cache_bytes": size.kv_bytes, "total_bytes": size.total_bytes,
-                   "line": size.line()},
+        "memory": {
+            "dtype": dtype,
+            "weights": weights,
+            "slots": size.slots,
+            "context": size.max_context,
+            "weights_bytes": size.weight_bytes,
+            "kv_cache_bytes": size.kv_bytes,
+            "total_bytes": size.total_bytes,
+            "line": size.line(),
+        },
     }
 
 
@@ -53,9 +62,16 @@ def format_report(report: dict[str, Any]) -> str:
     rows = [
         ("target", report["target"] + (f" ({report['hf_repo']})" if report["hf_repo"] else "")),
         ("weights", weights),
-        ("architecture", f"Qwen3, {arch['layers']} layers, hidden {arch['hidden_size']}, FFN {arch['intermediate_size']}, "
-                         f"{arch['attention_heads']} query / {arch['kv_heads']} KV heads x {arch['head_dim']}"),
-        ("rope", f"theta {arch['rope_theta']:g}, scaling {arch['rope_scaling']}, {arch['max_position_embeddings']} positions"),
+        (
+            "architecture",
+            f"Qwen3, {arch['layers']} layers, hidden {arch['hidden_size']}, FFN {arch['intermediate_size']}, "
+            f"{arch['attention_heads']} query / {arch['kv_heads']} KV heads x {arch['head_dim']}",
+        ),
+        (
+            "rope",
+            f"theta {arch['rope_theta']:g}, scaling {arch['rope_scaling']}, "
+            f"{arch['max_position_embeddings']} positions",
+        ),
         ("embeddings", f"{embeddings}, vocabulary {report['vocab_size']}"),
         ("parameters", human_count(report["parameters"])),
         ("dtype", report["dtype"]),

@@ -217,7 +217,9 @@ def save_checkpoint(model: Qwen3Model, folder, dtype: str = "bfloat16", max_shar
     config = model.config.with_dtype(dtype)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     state = {
-        ("model." + name if not name.startswith("lm_head") else name): tensor.detach().to(TORCH_DTYPES[dtype]).contiguous()
+        ("model." + name if not name.startswith("lm_head") else name): tensor.detach()
+        .to(TORCH_DTYPES[dtype])
+        .contiguous()
         for name, tensor in model.state_dict().items()
         if not (name == "lm_head.weight" and config.tie_word_embeddings)
     }

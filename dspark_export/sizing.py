@@ -51,7 +51,9 @@ def size_engine(config: Qwen3Config, slots: int, dtype: str, weights: WeightForm
     if max_context is None:
         budget = kv_memory or DEFAULT_KV_MEMORY
         fits = budget // per_row - gamma - 1
-        max_context = min(config.max_position_embeddings, fits // CONTEXT_STEP * CONTEXT_STEP if fits >= CONTEXT_STEP else fits)
+        max_context = min(
+            config.max_position_embeddings, fits // CONTEXT_STEP * CONTEXT_STEP if fits >= CONTEXT_STEP else fits
+        )
         if max_context < 2:
             raise ConfigError(f"a KV cache of {human_bytes(budget)} holds no context for {slots} slot(s); "
                               "raise --kv-memory or lower --cache-slots")

@@ -39,7 +39,9 @@ class RunFolder:
         optimizer.load_state_dict(state["optimizer"])
         return int(state["step"])
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, skip: tuple[str, ...] = ()) -> None:
+    def save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, skip: tuple[str, ...] = ()
+    ) -> None:
         weights = {name: t for name, t in model.state_dict().items() if name not in skip}
         tmp = self.state_file.with_suffix(".tmp")
         torch.save({"model": weights, "optimizer": optimizer.state_dict(), "step": step}, tmp)

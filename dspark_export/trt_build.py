@@ -38,8 +38,12 @@ def profile_shapes(io: GraphIO, ranges: dict[str, tuple[int, int, int]]) -> dict
     for tensor in io.inputs:
         unknown = [d for d in tensor.shape if isinstance(d, str) and d not in ranges]
         if unknown:
-            raise DSparkError(f"input {tensor.name!r} has dimension {unknown[0]!r}, which the TensorRT profile does not know")
-        shapes[tensor.name] = tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in tensor.shape) for i in range(3))
+            raise DSparkError(
+                f"input {tensor.name!r} has dimension {unknown[0]!r}, which the TensorRT profile does not know"
+            )
+        shapes[tensor.name] = tuple(
+            tuple(d if isinstance(d, int) else ranges[d][i] for d in tensor.shape) for i in range(3)
+        )
     return shapes
 
 

@@ -72,8 +72,14 @@ def varlen_attention_function() -> FunctionProto:
     live = b.op("ReduceMax", active_len, ax0, keepdims=1)  # [1]
     key_ids = b.op("Range", zero, b.op("Squeeze", live, ax0), one)  # [L]
     grid = b.op("Concat", slots_n, kv_heads, live, axis=0)
-    rows = [b.op("Unsqueeze", b.op("Expand", b.op("Reshape", ids, b.const(shape)), grid), last) for ids, shape in (
-        (active, [-1, 1, 1]), (b.op("Range", zero, b.op("Squeeze", kv_heads, ax0), one), [1, -1, 1]), (key_ids, [1, 1, -1]))]
+    rows = [
+        b.op("Unsqueeze", b.op("Expand", b.op("Reshape", ids, b.const(shape)), grid), last)
+        for ids, shape in (
+            (active, [-1, 1, 1]),
+            (b.op("Range", zero, b.op("Squeeze", kv_heads, ax0), one), [1, -1, 1]),
+            (key_ids, [1, 1, -1]),
+        )
+    ]
     cache_rows = b.op("Concat", *rows, axis=-1)  # [A, Hkv, L, 3]
     k_live, v_live = (b.op("GatherND", cache, cache_rows) for cache in ("k_cache", "v_cache"))  # [A, Hkv, L, D]
     k_cache32 = b.op("Cast", b.op("Unsqueeze", k_live, ax2), to=TensorProto.FLOAT)  # [A, Hkv, 1, L, D]
@@ -115,8 +121,15 @@ def varlen_attention_node(inputs: list[str], output: str, head_dim: int, bidirec
                           name: str | None = None) -> NodeProto:
     """A call of the op, carrying the TensorRT plugin attributes."""
     return helper.make_node(
-        OP_TYPE, inputs, [output], name=name, domain=DOMAIN, bidirectional=int(bidirectional), scale=1.0 / math.sqrt(head_dim),
-        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION,
+        OP_TYPE,
+        inputs,
+        [output],
+        name=name,
+        domain=DOMAIN,
+        bidirectional=int(bidirectional),
+        scale=1.0 / math.sqrt(head_dim),
+        plugin_namespace=PLUGIN_NAMESPACE,
+        plugin_version=PLUGIN_VERSION,
     )
 
 

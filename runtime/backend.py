@@ -22,8 +22,13 @@ from dspark_runtime.errors import DSparkError, MissingDependencyError
 from dspark_runtime.graph_io import GraphIO
 from dspark_runtime.kv_cache import KVCache
 
-ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float32": "tensor(float)", "float16": "tensor(float16)",
-             "bfloat16": "tensor(bfloat16)"}
+ORT_TYPES = {
+    "int64": "tensor(int64)",
+    "int32": "tensor(int32)",
+    "float32": "tensor(float)",
+    "float16": "tensor(float16)",
+    "bfloat16": "tensor(bfloat16)",
+}
 
 
 def available_providers() -> list[str]:
@@ -107,7 +112,8 @@ def check_contract(session, io: GraphIO, path: Path) -> None:
         elif arg.type != ORT_TYPES[tensor.dtype]:
             problem = f"has {tensor.name!r} as {arg.type}, the contract says {tensor.dtype}"
         elif len(arg.shape) != len(tensor.shape) or any(
-                isinstance(want, int) and isinstance(got, int) and want != got for want, got in zip(tensor.shape, arg.shape)):
+            isinstance(want, int) and isinstance(got, int) and want != got for want, got in zip(tensor.shape, arg.shape)
+        ):
             problem = f"has {tensor.name!r} of shape {arg.shape}, the contract says {list(tensor.shape)}"
         if problem:
             break
@@ -124,7 +130,9 @@ def open_graphs(folder: Path, manifest: Manifest, backend: str, threads: int | N
         raise MissingDependencyError("the runtime cannot run TensorRT engines yet; load this engine with backend='ort' "
                                      "(ONNX Runtime runs its ONNX graphs)")
     if providers and "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
-        raise MissingDependencyError("CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'")
+        raise MissingDependencyError(
+            "CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'"
+        )
     threads = threads or os.cpu_count() or 1
     target = OrtGraph(folder / TARGET_GRAPH, manifest.target_io(), threads, providers, shared_pool)
     drafter_io = manifest.drafter_io()

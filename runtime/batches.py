@@ -24,7 +24,9 @@ def _feeds(batch: object, io: GraphIO) -> dict[str, np.ndarray]:
             continue
         value = getattr(batch, tensor.name, None)
         if value is None:
-            raise DSparkError(f"the {io.graph} graph takes {tensor.name!r}, which {type(batch).__name__} does not provide")
+            raise DSparkError(
+                f"the {io.graph} graph takes {tensor.name!r}, which {type(batch).__name__} does not provide"
+            )
         feeds[tensor.name] = np.asarray(value, dtype=tensor.numpy_dtype)
     return feeds
 

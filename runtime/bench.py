@@ -48,7 +48,9 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
         "mode": spec,
         "concurrency": concurrency,
         "tokens_per_s": generated / elapsed,
-        "per_request_tokens_per_s": float(np.median([r.stats["tokens_per_s"] for r in results if r.stats["tokens_per_s"]] or [0.0])),
+        "per_request_tokens_per_s": float(
+            np.median([r.stats["tokens_per_s"] for r in results if r.stats["tokens_per_s"]] or [0.0])
+        ),
         "tau": generated / steps if steps else 0.0,
         "steps": steps,
         "generated_tokens": generated,
@@ -87,7 +89,9 @@ def _add_ratios(result: dict, same_round: list[dict]) -> None:
     base = next((r for r in same_round if r["mode"] == "off"), None)
     result["ratio_to_off"] = result["tokens_per_s"] / base["tokens_per_s"] if base else None
     # the ceiling of a drafter that cost nothing and drafted as well: the same run less its drafter time
-    result["ratio_with_free_drafter"] = result["ratio_to_off"] / (1 - result["drafter_share_of_step_time"]) if base else None
+    result["ratio_with_free_drafter"] = (
+        result["ratio_to_off"] / (1 - result["drafter_share_of_step_time"]) if base else None
+    )
 
 
 def _median_of(runs: list[dict]) -> dict:
@@ -110,7 +114,9 @@ def plot_frontier(report: dict, file: str) -> bool:
     figure, axis = plt.subplots(figsize=(6.5, 4.5), dpi=120)
     for mode in dict.fromkeys(r["mode"] for r in report["results"]):
         points = sorted((r for r in report["results"] if r["mode"] == mode), key=lambda r: r["concurrency"])
-        axis.plot([r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=mode)
+        axis.plot(
+            [r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=mode
+        )
         for r in points:
             axis.annotate(str(r["concurrency"]), (r["per_request_tokens_per_s"], r["tokens_per_s"]), fontsize=7,
                           textcoords="offset points", xytext=(3, 3))

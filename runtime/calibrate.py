@@ -31,8 +31,16 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
     if not gamma or engine.manifest.drafter.get("confidence") is not True:
         raise DSparkError("calibration needs an engine whose drafter has a confidence head (a DSpark drafter)")
     with engine.record_rounds() as log:  # all prompts at once: the engine batches them over its cache slots
-        requests = [engine.submit(prompt_of(row), replace(params, seed=index if params.seed is None else params.seed + index),
-                                  spec=f"fixed:{gamma}", truncate=True, stream=False) for index, row in enumerate(rows)]
+        requests = [
+            engine.submit(
+                prompt_of(row),
+                replace(params, seed=index if params.seed is None else params.seed + index),
+                spec=f"fixed:{gamma}",
+                truncate=True,
+                stream=False,
+            )
+            for index, row in enumerate(rows)
+        ]
         held_out_ids = {request.sequence.request_id for request in requests[1::2]}
         for request in requests:
             request.result()

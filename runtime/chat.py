@@ -51,6 +51,12 @@ class ChatSession:
             if request.sequence.finish_reason is None:
                 request.cancel()
             if not self.completion:
-                self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": "".join(text)}]
+                self.history += [
+                    {"role": "user", "content": user_text},
+                    {"role": "assistant", "content": "".join(text)},
+                ]
             s = request.sequence
-            self.last_stats = s.stats.summary(len(s.generated)) | {"tokens": len(s.generated), "finish_reason": s.finish_reason}
+            self.last_stats = s.stats.summary(len(s.generated)) | {
+                "tokens": len(s.generated),
+                "finish_reason": s.finish_reason,
+            }

@@ -46,15 +46,25 @@ def main() -> None:
 
 
 def summary_line(stats: dict) -> str:
-    return (f"[{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, {stats['accepted_per_step']:.2f} accepted/step, "
-            f"TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, {stats['tokens']} tokens, {stats['finish_reason']}]")
+    return (
+        f"[{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, {stats['accepted_per_step']:.2f} accepted/step, "
+        f"TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, {stats['tokens']} tokens, {stats['finish_reason']}]"
+    )
 
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option("-p", "--prompt", default=None, help="Answer this once and exit (stdin is read when it is not a terminal).")
+@click.option(
+    "-p", "--prompt", default=None, help="Answer this once and exit (stdin is read when it is not a terminal)."
+)
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=None, help="Temperature (0 = greedy; default: the model's).")
+@click.option(
+    "--temp",
+    "temperature",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Temperature (0 = greedy; default: the model's).",
+)
 @click.option("--top-k", type=click.IntRange(min=0), default=None)
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
 @click.option("--min-p", type=click.FloatRange(min=0, max=1, max_open=True), default=None)
@@ -62,13 +72,35 @@ def summary_line(stats: dict) -> str:
 @click.option("--seed", type=int, default=None)
 @click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--ctx", type=click.IntRange(min=16), default=None, help="Tokens of history kept (default: the engine's context).")
-@click.option("--spec", default=None, help="off, fixed:K, sync or async (default: async once the engine is profiled, else fixed at γ).")
+@click.option(
+    "--ctx", type=click.IntRange(min=16), default=None, help="Tokens of history kept (default: the engine's context)."
+)
+@click.option(
+    "--spec",
+    default=None,
+    help="off, fixed:K, sync or async (default: async once the engine is profiled, else fixed at γ).",
+)
 @click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
-def chat(engine_dir, prompt, system, temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens, stop, ctx, spec,
-         completion, as_json, threads) -> None:
+def chat(
+    engine_dir,
+    prompt,
+    system,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    repeat_penalty,
+    seed,
+    max_tokens,
+    stop,
+    ctx,
+    spec,
+    completion,
+    as_json,
+    threads,
+) -> None:
     """Interactive streaming chat (/clear, /stats, /exit; Ctrl+C stops a reply), or a one-shot answer."""
     import sys
 
@@ -140,21 +172,52 @@ def _repl(session) -> None:
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None, help="JSON-lines prompts (default: the demo's).")
+@click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSON-lines prompts (default: the demo's).",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
 @click.option("--modes", default="off,fixed:4", show_default=True, help="Comma-separated: off, fixed:K, sync, async.")
-@click.option("--concurrency", default="1", show_default=True, callback=int_list, help="Comma-separated request concurrency levels.")
+@click.option(
+    "--concurrency",
+    default="1",
+    show_default=True,
+    callback=int_list,
+    help="Comma-separated request concurrency levels.",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-tokens per prompt even past the end-of-text token.")
-@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Rounds of all modes in turn; figures are medians, ratios taken within each round.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Rounds of all modes in turn; figures are medians, ratios taken within each round.",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
 @click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier.")
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
-def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperature, ignore_eos, repeats, threads, domains,
-          plot, as_json) -> None:
+def bench(
+    engine_dir,
+    prompts,
+    limit,
+    modes,
+    concurrency,
+    max_tokens,
+    temperature,
+    ignore_eos,
+    repeats,
+    threads,
+    domains,
+    plot,
+    as_json,
+) -> None:
     """Throughput of each speculation mode against `off`, same prompts, one process.
 
     \b
@@ -190,7 +253,13 @@ def bench(engine_dir, prompts, limit, modes, concurrency, max_tokens, temperatur
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option("--context", type=click.IntRange(min=0), default=256, show_default=True, help="Cached positions per request while timing.")
+@click.option(
+    "--context",
+    type=click.IntRange(min=0),
+    default=256,
+    show_default=True,
+    help="Cached positions per request while timing.",
+)
 @click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 def profile(engine_dir, context, repeats, threads) -> None:
@@ -201,7 +270,9 @@ def profile(engine_dir, context, repeats, threads) -> None:
     from dspark_runtime.profiling import target_sizes
 
     with Engine.load(engine_dir, threads=threads, profile=False, shared_pool=shared_pool()) as engine:
-        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (engine.manifest.cache_slots if engine.gamma else 0)
+        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (
+            engine.manifest.cache_slots if engine.gamma else 0
+        )
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, repeats, lambda graph, n: bar.update())
     target = curve["target_seconds"]
@@ -211,7 +282,12 @@ def profile(engine_dir, context, repeats, threads) -> None:
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None, help="JSON-lines prompts (default: the demo's).")
+@click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSON-lines prompts (default: the demo's).",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
@@ -236,7 +312,9 @@ def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias
         click.echo(json.dumps(report))
     else:
         for name in ("before", "after"):
-            click.echo(f"{name:>6}: ECE {[round(100 * e, 2) for e in report[name]['ece']]} %  AUC {report[name]['auc']}")
+            click.echo(
+                f"{name:>6}: ECE {[round(100 * e, 2) for e in report[name]['ece']]} %  AUC {report[name]['auc']}"
+            )
         click.echo(f"temperatures {report['temperatures']} fitted on {report['rounds_fit']} rounds; "
                    f"metrics on {report['rounds_held_out']} held-out rounds (odd-numbered prompts)")
 

@@ -58,7 +58,10 @@ class EngineCore:
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
-        self.round_log: list[tuple[int, np.ndarray, int]] | None = None  # (request id, confidence logits, accepted) when recording
+        self.last_survival: dict[float, np.ndarray] = {}  # by sampling temperature: the newest request's survivals
+        self.round_log: list[tuple[int, np.ndarray, int]] | None = (
+            None  # (request id, confidence logits, accepted) when recording
+        )
         self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
 
     def _timed(self, part: str, call: Callable[..., Result], *args) -> Result:
@@ -155,8 +158,12 @@ class EngineCore:
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences  # a fixed:K request pays for the drafter call anyway
         known = [s.survival for s in scheduled if s.survival is not None]
-        unknown = np.mean(known, axis=0) if known else np.ones(self.gamma)  # new requests: like the others
-        survival = np.stack([unknown if s.survival is None else s.survival for s in scheduled])
+
+        def prior(s: Sequence) -> np.ndarray:  # a new request: like the last one at its temperature, or the others
+            last = self.last_survival.get(s.params.temperature)
+            return last if last is not None else np.mean(known, axis=0) if known else np.ones(self.gamma)
+
+        survival = np.stack([prior(s) if s.survival is None else s.survival for s in scheduled])
         if self.gate.worth_drafting(survival, sum(s.target_len - s.drafter_len for s in scheduled)):
             return sequences
         for s in scheduled:
@@ -210,7 +217,11 @@ class EngineCore:
             if row.logit_count:
                 processed = target_rows(logits, s.penalty_history, np.zeros(0, np.int64), s.params)
                 greedy = s.params.greedy
-                token = int(np.argmax(processed[0])) if greedy else sample(processed[0], s.random.uniform(s.target_len, EMIT))
+                token = (
+                    int(np.argmax(processed[0]))
+                    if greedy
+                    else sample(processed[0], s.random.uniform(s.target_len, EMIT))
+                )
                 self._commit(s, [token])
             return
         drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
@@ -224,7 +235,9 @@ class EngineCore:
             accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts,
                                              lambda k, purpose: s.random.uniform(first + k, purpose))
         if self.round_log is not None and row.drafts == self.gamma and s.confidence_logits is not None:
-            self.round_log.append((s.request_id, s.confidence_logits.copy(), accepted))  # full-length rounds calibrate STS
+            self.round_log.append(
+                (s.request_id, s.confidence_logits.copy(), accepted)
+            )  # full-length rounds calibrate STS
         if row.drafts:
             s.stats.rounds += 1
             s.stats.drafted += row.drafts
@@ -277,15 +290,22 @@ class EngineCore:
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
             s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
-            s.survival = self._survival(s.confidence_logits, s.params.temperature)
+            s.survival = self.last_survival[s.params.temperature] = self._survival(s.confidence_logits,
+                                                                                     s.params.temperature)
             s.drafter_len = s.target_len
             s.pending_features = []
 
     def _draft_request(self, s: Sequence) -> DraftRequest:
         return DraftRequest(
-            slot=s.slot, anchor=s.anchor, anchor_pos=s.target_len, context_start=s.drafter_len,
-            features=np.concatenate(s.pending_features), next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
-            temperature=s.params.temperature, noise=s.random.draft_noise(s.target_len + 1, self.gamma).clip(1e-12, 1 - 1e-7))
+            slot=s.slot,
+            anchor=s.anchor,
+            anchor_pos=s.target_len,
+            context_start=s.drafter_len,
+            features=np.concatenate(s.pending_features),
+            next_tokens=s.tokens_at(s.drafter_len + 1, s.target_len + 1),
+            temperature=s.params.temperature,
+            noise=s.random.draft_noise(s.target_len + 1, self.gamma).clip(1e-12, 1 - 1e-7),
+        )
 
     def _isolated(self, sequence: Sequence, work: Callable[..., Result], *args) -> Result | None:
         """`work(*args)` for one request; an exception it raises fails that request alone (finish "error")."""

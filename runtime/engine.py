@@ -18,8 +18,16 @@ import numpy as np
 
 from dspark_runtime.core import EngineCore
 from dspark_runtime.backend import OrtGraph, open_graphs
-from dspark_runtime.engine_dir import (HARDWARE_CURVE, EngineError, Manifest, read_calibration, read_json, read_manifest,
-                                       read_speed_curve, sts_by_temperature)
+from dspark_runtime.engine_dir import (
+    HARDWARE_CURVE,
+    EngineError,
+    Manifest,
+    read_calibration,
+    read_json,
+    read_manifest,
+    read_speed_curve,
+    sts_by_temperature,
+)
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.randomness import KeyedRandom
@@ -98,10 +106,20 @@ class Request:
 class Engine:
     """A loaded engine directory: tokenizer, graphs, caches and the step loop."""
 
-    def __init__(self, folder: Path, manifest: Manifest, tokenizer: ChatTokenizer, target: OrtGraph, drafter: OrtGraph | None,
-                 curve: SpeedCurve | None = None, calibration: dict[float, dict] | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        tokenizer: ChatTokenizer,
+        target: OrtGraph,
+        drafter: OrtGraph | None,
+        curve: SpeedCurve | None = None,
+        calibration: dict[float, dict] | None = None,
+    ):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
-        self.core = EngineCore(manifest, target, drafter, self._text, curve, sts_by_temperature(calibration or {}) or None)
+        self.core = EngineCore(
+            manifest, target, drafter, self._text, curve, sts_by_temperature(calibration or {}) or None
+        )
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
@@ -178,7 +196,8 @@ class Engine:
         self.core.sts = sts_by_temperature(reports) or None
 
     def set_draft_gate(self, enabled: bool) -> None:
-        """`sync`/`async` skip drafting when it would not pay (the default); False drafts every step, as in the paper."""
+        """`sync`/`async` skip drafting when it would not pay (the default); False drafts every step, as in the
+        paper."""
         self.core.draft_gate = enabled
 
     def profile(self, context: int = 256, repeats: int = 7, progress=None) -> dict:
@@ -207,7 +226,9 @@ class Engine:
         if mode.drafting and not self.gamma:
             raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
         if mode.kind in ("sync", "async") and not self.has_speed_curve:
-            raise InvalidRequestError(f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first")
+            raise InvalidRequestError(
+                f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first"
+            )
         ids = self._encode(prompt)
         limit = self.manifest.max_context - 1
         if len(ids) > limit:
@@ -221,7 +242,9 @@ class Engine:
         ends = set() if params.ignore_eos else set(self.manifest.eos_token_ids)
         sequence = Sequence(next(self._ids), ids, params, mode, KeyedRandom(seed),
                             frozenset(ends | set(params.stop_token_ids)))
-        output = OutputState(lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream)
+        output = OutputState(
+            lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream
+        )
         request = Request(self, sequence, output, stream)
         with self._lock:
             if self._closed:
@@ -231,10 +254,14 @@ class Engine:
             self._work.notify()
         return request
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Completion:
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs
+    ) -> Completion:
         return self.submit(prompt, params, spec, stream=False, **kwargs).result()
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs) -> Iterator[Delta]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None, **kwargs
+    ) -> Iterator[Delta]:
         """Text deltas (`.text`, `.token_ids`, `.finish_reason` on the last); closing the iterator cancels."""
         request = self.submit(prompt, params, spec, **kwargs)
         try:
@@ -260,8 +287,12 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(checked_text(prompt, "the prompt"))
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True))
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            return self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True)
+            )
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+        ):
             ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.manifest.vocab_size for t in ids):
                 raise InvalidRequestError(f"token ids must lie in [0, {self.manifest.vocab_size})")

@@ -101,11 +101,14 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
     folder = Path(folder)
     file = folder / MANIFEST
     if not file.is_file():
-        raise EngineError(f"{folder} is not a DSpark engine directory (no {MANIFEST}); build one with `dspark-export build`")
+        raise EngineError(
+            f"{folder} is not a DSpark engine directory (no {MANIFEST}); build one with `dspark-export build`"
+        )
     raw = read_json(file, "rebuild the engine with `dspark-export build --force`")
     if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
-        raise EngineError(f"{folder} has engine format {raw.get('format_version')!r}, this DSpark reads {FORMAT_VERSION}; "
-                          "rebuild it")
+        raise EngineError(
+            f"{folder} has engine format {raw.get('format_version')!r}, this DSpark reads {FORMAT_VERSION}; rebuild it"
+        )
     manifest = Manifest(**check_manifest(raw, folder))
     if verify:
         for name, expected in manifest.files.items():
@@ -113,7 +116,9 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
             if not path.is_file():
                 raise EngineError(f"{folder} lacks {name}; rebuild the engine with `dspark-export build --force`")
             if file_digest(path) != expected:
-                raise EngineError(f"{name} in {folder} changed after the build; rebuild the engine with `dspark-export build --force`")
+                raise EngineError(
+                    f"{name} in {folder} changed after the build; rebuild the engine with `dspark-export build --force`"
+                )
     return manifest
 
 

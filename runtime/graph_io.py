@@ -8,8 +8,8 @@ Each port has a name (`{layer}` expands per layer), a dtype rule and dimensions.
 `float32`, or `ACTIVATION` (the graph's activation dtype: the target's is the manifest's `dtype`).
 Dimensions are symbols the runtime sets per call (`T` new target tokens, `N` rows that want logits, `M`
 the most new tokens of one slot, `C` new drafter context rows, `R` drafted requests, `P` the distribution
-width: V, or 0 when an all-greedy call skips distributions) or the graph's own sizes (`S` cache slots, `Lmax` positions per
-slot, `Hkv` KV heads, `D` head size, `V` vocabulary, `F` feature width, `G` γ).
+width: V, or 0 when an all-greedy call skips distributions) or the graph's own sizes (`S` cache slots, `Lmax`
+positions per slot, `Hkv` KV heads, `D` head size, `V` vocabulary, `F` feature width, `G` γ).
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ class Port:
 
 def _ports(*rows: tuple[str, str, str]) -> tuple[Port, ...]:
     """("name", "dtype", "dim dim ...") rows -> ports."""
-    return tuple(Port(name, dtype, tuple(int(d) if d.isdigit() else d for d in dims.split())) for name, dtype, dims in rows)
+    return tuple(
+        Port(name, dtype, tuple(int(d) if d.isdigit() else d for d in dims.split())) for name, dtype, dims in rows
+    )
 
 
-CACHE_INPUTS = _ports(("past_key_{layer}", ACTIVATION, "S Hkv Lmax D"), ("past_value_{layer}", ACTIVATION, "S Hkv Lmax D"))
+CACHE_INPUTS = _ports(
+    ("past_key_{layer}", ACTIVATION, "S Hkv Lmax D"), ("past_value_{layer}", ACTIVATION, "S Hkv Lmax D")
+)
 TARGET_IO = (
     _ports(("input_ids", "int64", "T"), ("pos", "int64", "T"), ("slot", "int64", "T"), ("cache_len", "int64", "S"),
            ("logit_index", "int64", "N")) + CACHE_INPUTS,
@@ -61,10 +65,19 @@ _DRAFT_OUTPUTS = _ports(("draft_tokens", "int64", "R G"), ("draft_probs", "float
                         ("confidence_logits", "float32", "R G"), ("new_key_{layer}", ACTIVATION, "C Hkv D"),
                         ("new_value_{layer}", ACTIVATION, "C Hkv D"))
 _SAMPLING = _ports(("noise", "float32", "R G"), ("temperature", "float32", "R"))
-_BLOCK_INPUTS = _ports(
-    ("context_features", "float32", "C F"), ("context_slot", "int64", "C"), ("context_pos", "int64", "C"),
-    ("anchor_ids", "int64", "R"), ("anchor_pos", "int64", "R"), ("request_slot", "int64", "R"), ("cache_len", "int64", "S"),
-) + CACHE_INPUTS + _SAMPLING
+_BLOCK_INPUTS = (
+    _ports(
+        ("context_features", "float32", "C F"),
+        ("context_slot", "int64", "C"),
+        ("context_pos", "int64", "C"),
+        ("anchor_ids", "int64", "R"),
+        ("anchor_pos", "int64", "R"),
+        ("request_slot", "int64", "R"),
+        ("cache_len", "int64", "S"),
+    )
+    + CACHE_INPUTS
+    + _SAMPLING
+)
 _EAGLE3_INPUTS = _ports(
     ("context_features", "float32", "C F"), ("context_ids", "int64", "C"), ("context_slot", "int64", "C"),
     ("context_pos", "int64", "C"), ("context_last", "int64", "R"), ("anchor_pos", "int64", "R"),
@@ -90,7 +103,9 @@ class Tensor:
     @property
     def numpy_dtype(self) -> np.dtype:
         if self.dtype not in NUMPY_DTYPES:
-            raise DSparkError(f"{self.name} is {self.dtype}, which this runtime cannot hold (build with --dtype float32 or float16)")
+            raise DSparkError(
+                f"{self.name} is {self.dtype}, which this runtime cannot hold (build with --dtype float32 or float16)"
+            )
         return NUMPY_DTYPES[self.dtype]
 
 

@@ -42,14 +42,29 @@ def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.nd
     return batch.feeds(core.target.io)
 
 
-def drafter_feeds(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> dict[str, np.ndarray]:
+def drafter_feeds(
+    core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS
+) -> dict[str, np.ndarray]:
     """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
     width = core.drafter.io.input("context_features").shape[1]
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
-    batch = DraftBatch([DraftRequest(slot=slot, anchor=5, anchor_pos=context + new_context, context_start=context,
-                                     features=np.zeros((new_context, width), np.float32), next_tokens=[5] * new_context,
-                                     temperature=1.0, noise=np.full(core.gamma, 0.5)) for slot in range(requests)], cache_len)
+    batch = DraftBatch(
+        [
+            DraftRequest(
+                slot=slot,
+                anchor=5,
+                anchor_pos=context + new_context,
+                context_start=context,
+                features=np.zeros((new_context, width), np.float32),
+                next_tokens=[5] * new_context,
+                temperature=1.0,
+                noise=np.full(core.gamma, 0.5),
+            )
+            for slot in range(requests)
+        ],
+        cache_len,
+    )
     return batch.feeds(core.drafter.io)
 
 
@@ -73,8 +88,13 @@ def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7
         feeds = drafter_feeds(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
         long = median_seconds(lambda: core.drafter.run(feeds), repeats)
         per_row = max(0.0, float(long - draft[requests - 1]) / (extra * requests))
-    curve = {"target_seconds": [round(float(t), 7) for t in target], "draft_seconds": [round(float(t), 7) for t in draft],
-             "draft_seconds_per_context_row": round(per_row, 9),
-             "context": context, "repeats": repeats, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    curve = {
+        "target_seconds": [round(float(t), 7) for t in target],
+        "draft_seconds": [round(float(t), 7) for t in draft],
+        "draft_seconds_per_context_row": round(per_row, 9),
+        "context": context,
+        "repeats": repeats,
+        "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     (folder / HARDWARE_CURVE).write_text(json.dumps(curve, indent=1) + "\n")
     return curve

@@ -96,9 +96,15 @@ class _Checker:
         else:
             object.__setattr__(self.params, name, int(value))
 
-    def number(self, name: str, low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> None:
+    def number(
+        self, name: str, low: float | None, high: float | None, low_open: bool = False, high_open: bool = False
+    ) -> None:
         value = getattr(self.params, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float, np.integer, np.floating))
+            or not np.isfinite(value)
+        ):
             self.problems.append(f"{name} must be a finite number (got {_shown(value)})")
             return
         below = low is not None and (value <= low if low_open else value < low)
@@ -158,5 +164,7 @@ def target_rows(logits: np.ndarray, history: np.ndarray, drafts: np.ndarray, par
     penalties read `history`.
     """
     if params.penalised:
-        logits = np.stack([penalise(logits[k], np.concatenate([history, drafts[:k]]), params) for k in range(len(logits))])
+        logits = np.stack(
+            [penalise(logits[k], np.concatenate([history, drafts[:k]]), params) for k in range(len(logits))]
+        )
     return logits if params.greedy else truncated_distribution(logits, params)

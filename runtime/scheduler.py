@@ -43,7 +43,9 @@ class SpeedCurve:
         if index.max() <= size:  # the usual case, and the cheap one (the gate asks every step)
             return table[np.maximum(index, 1) - 1]
         slope = table[-1] - table[-2] if size > 1 else table[-1]
-        return np.where(index <= size, table[np.minimum(np.maximum(index, 1), size) - 1], table[-1] + slope * (index - size))
+        return np.where(
+            index <= size, table[np.minimum(np.maximum(index, 1), size) - 1], table[-1] + slope * (index - size)
+        )
 
     def draft_time(self, requests: int, context_rows: int = 0) -> float:
         """t_draft(R), plus the catch-up of context rows beyond what the profile fed (after plain steps)."""
@@ -137,18 +139,23 @@ class DraftGate:
     verification stays lossless.
     """
 
-    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe: int = 4, max_probe: int = 32):
+    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe: int = 4, max_probe: int = 128):
         self.curve, self.cap = curve, cap
         self.probe, self.max_probe = probe, max_probe
         self.wait, self.skipped = probe, 0
+        self.declined: np.ndarray | None = None  # the survivals drafting last lost with
 
     def worth_drafting(self, survival: np.ndarray, context_rows: int = 0) -> bool:
         """`context_rows`: the target positions the drafter has not yet read (its call's catch-up cost)."""
         requests = survival.shape[0]
-        drafting = path_throughputs(survival, self.curve, self.cap, context_rows).max()
-        if drafting > requests * self.curve.plain_steps_per_second(requests):
-            self.wait, self.skipped = self.probe, 0
+        # the same survivals that lost before lose again: the catch-up only grows while nothing is drafted
+        same = self.declined is not None and self.declined.shape == survival.shape and \
+            np.array_equal(self.declined, survival)
+        if not same and path_throughputs(survival, self.curve, self.cap, context_rows).max() > \
+                requests * self.curve.plain_steps_per_second(requests):
+            self.wait, self.skipped, self.declined = self.probe, 0, None
             return True
+        self.declined = survival
         self.skipped += 1
         if self.skipped <= self.wait:
             return False

@@ -26,9 +26,27 @@ from dspark_runtime.engine import Engine, Request
 from dspark_runtime.errors import DSparkError, MissingDependencyError
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 
-COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-                 "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
-                 "logit_bias", "logprobs", "spec"}
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "user",
+    "logit_bias",
+    "logprobs",
+    "spec",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -103,7 +121,9 @@ def parse_body(raw: bytes, allowed: set[str], required: str, model_name: str) ->
     if not isinstance(body.get("stream", False), bool):
         raise HTTPError(400, "stream must be true or false", "stream")
     options = body.get("stream_options")
-    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+    if options is not None and not (
+        isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
+    ):
         raise HTTPError(400, "stream_options must be an object with a boolean include_usage", "stream_options")
     if body.get("spec") is not None and not isinstance(body["spec"], str):
         raise HTTPError(400, "spec must be a string such as 'async' or 'fixed:4'", "spec")
@@ -150,7 +170,9 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
     except ImportError:
-        raise MissingDependencyError("dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'") from None
+        raise MissingDependencyError(
+            "dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'"
+        ) from None
     if isinstance(options, str):
         options = ServerOptions(options, default_spec)
     defaults = engine.generation_defaults()
@@ -176,7 +198,9 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             check_request(request.headers, "GET", options)
         except HTTPError as exc:
             return error(exc)
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark"}]}
+        )
 
     async def completions(request: HttpRequest):
         return await respond(request, chat=False)
@@ -191,8 +215,9 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
                               "messages" if chat else "prompt", model_name)
             prompt = prompt_of(body, chat)
             params = sampling_from(body, defaults)
-            handle = await run_in_threadpool(engine.submit, prompt, params, body.get("spec", options.default_spec), False,
-                                             body.get("stream", False))
+            handle = await run_in_threadpool(
+                engine.submit, prompt, params, body.get("spec", options.default_spec), False, body.get("stream", False)
+            )
         except HTTPError as exc:
             return error(exc)
         except InvalidRequestError as exc:
@@ -214,21 +239,36 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(handle.sequence.generated),
                  "total_tokens": result.prompt_tokens + len(handle.sequence.generated)}
-        return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": model_name, "choices": [choice], "usage": usage, "dspark": result.stats})
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+                "usage": usage,
+                "dspark": result.stats,
+            }
+        )
 
     async def stream(handle: Request, ident: str, created: int, chat: bool, body: dict):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
-            return sse({"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices, **extra})
+            return sse(
+                {"id": ident, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
+            )
 
         try:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             try:
                 async for delta in iterate_in_threadpool(iter(handle)):
-                    part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text, "logprobs": None}
+                    part = (
+                        {"delta": {"content": delta.text} if delta.text else {}}
+                        if chat
+                        else {"text": delta.text, "logprobs": None}
+                    )
                     yield chunk([{"index": 0, **part, "finish_reason": delta.finish_reason}])
             except DSparkError as exc:  # this request failed: say so, and end its stream properly
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
@@ -264,5 +304,7 @@ def serve(engine: Engine, options: ServerOptions, port: int) -> None:
     try:
         import uvicorn
     except ImportError:
-        raise MissingDependencyError("dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'") from None
+        raise MissingDependencyError(
+            "dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'"
+        ) from None
     uvicorn.run(create_app(engine, options), host=options.host, port=port, log_level="info")

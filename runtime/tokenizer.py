@@ -23,7 +23,9 @@ def _template_environment():  # jinja2 is imported only when a template is rende
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+    ) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -150,8 +152,10 @@ def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"message {number} needs a role: one of {', '.join(ROLES)}")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise InvalidRequestError(f"message {number}: content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise InvalidRequestError(f'message {number}: content parts must be {{"type": "text", "text": ...}}')
             content = "".join(p["text"] for p in content)
         elif content is None:
             content = ""

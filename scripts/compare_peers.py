@@ -74,9 +74,27 @@ def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: st
 
     folder = work / f"{model_dir.name}-genai-{precision}"
     if not (folder / "genai_config.json").is_file():
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", model_dir.name, "-i", str(model_dir),
-                        "-o", str(folder), "-p", GENAI_PRECISION[precision], "-e", "cpu", "-c", str(work / "genai-cache")],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-m",
+                model_dir.name,
+                "-i",
+                str(model_dir),
+                "-o",
+                str(folder),
+                "-p",
+                GENAI_PRECISION[precision],
+                "-e",
+                "cpu",
+                "-c",
+                str(work / "genai-cache"),
+            ],
+            check=True,
+            capture_output=True,
+        )
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"] |= {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
     (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
@@ -96,7 +114,9 @@ def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: st
     return generate
 
 
-def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str, **_) -> Generate:
+def llama_cpp_peer(
+    model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str, **_
+) -> Generate:
     import llama_cpp
 
     gguf = work / f"{model_dir.name}-{gguf_type}.gguf"
@@ -202,7 +222,11 @@ def main() -> None:
     model_dir = args.checkpoint or resolve_target(manifest.target_name, None).require_path()
     precision = manifest.weights
     gguf_type = args.gguf_type or GGUF_TYPE[precision]
-    labels = {"transformers": "transformers", "ort-genai": f"ort-genai-{precision}", "llama.cpp": f"llama.cpp-{gguf_type}"}
+    labels = {
+        "transformers": "transformers",
+        "ort-genai": f"ort-genai-{precision}",
+        "llama.cpp": f"llama.cpp-{gguf_type}",
+    }
     for name in names:
         runners.append(Runner(name, {"model_dir": model_dir, "max_tokens": args.max_tokens, "threads": args.threads,
                                      "precision": precision, "work": args.work, "source": args.llama_cpp_source,

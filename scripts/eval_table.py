@@ -18,7 +18,11 @@ def rows_of(file: str) -> tuple[float, list[dict]]:
 
 
 def main() -> None:
-    print("| T | drafter | " + " | ".join(["code", "math", "chat", "macro", "first-position acceptance", "τ(first listed) / τ (macro)"]) + " |")
+    print(
+        "| T | drafter | "
+        + " | ".join(["code", "math", "chat", "macro", "first-position acceptance", "τ(first listed) / τ (macro)"])
+        + " |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for file in sys.argv[1:]:
         temperature, results = rows_of(file)

@@ -31,16 +31,27 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     results = []
     with Engine.load(args.engine_dir, threads=args.threads, shared_pool=True) as engine:
-        engine.generate(rows[0]["prompt"], SamplingParams(max_tokens=4, temperature=args.temperature), spec="sync")  # warm-up
+        engine.generate(
+            rows[0]["prompt"], SamplingParams(max_tokens=4, temperature=args.temperature), spec="sync"
+        )  # warm-up
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             for mode, gated in (("off", True), ("sync", True), ("sync", False), ("async", True), ("async", False)):
                 engine.set_draft_gate(gated)
                 result = run_mode(engine, rows, params, mode, concurrency)
                 label = mode if mode == "off" else f"{mode}{'' if gated else ' (gate open)'}"
-                results.append({"mode": label, "concurrency": concurrency,
-                                **{k: round(result[k], 2) for k in ("tokens_per_s", "per_request_tokens_per_s", "tau")}})
+                results.append(
+                    {
+                        "mode": label,
+                        "concurrency": concurrency,
+                        **{k: round(result[k], 2) for k in ("tokens_per_s", "per_request_tokens_per_s", "tau")},
+                    }
+                )
                 print(json.dumps(results[-1]), flush=True)
-    print(json.dumps({"temperature": args.temperature, "prompts": len(rows), "max_tokens": args.max_tokens, "results": results}))
+    print(
+        json.dumps(
+            {"temperature": args.temperature, "prompts": len(rows), "max_tokens": args.max_tokens, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

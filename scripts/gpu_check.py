@@ -68,10 +68,16 @@ def dense_masked(q, k_new, v_new, k_cache, v_cache, slot, pos, cache_len):
     """One SDPA call of every token over every slot's cache and every new token, with a dense mask."""
     slots, _, capacity, _ = k_cache.shape
     group = Q_HEADS // KV_HEADS
-    keys = torch.cat([k_cache.transpose(0, 1).reshape(KV_HEADS, -1, DIM), k_new.transpose(0, 1)], 1).repeat_interleave(group, 0)
-    values = torch.cat([v_cache.transpose(0, 1).reshape(KV_HEADS, -1, DIM), v_new.transpose(0, 1)], 1).repeat_interleave(group, 0)
+    keys = torch.cat([k_cache.transpose(0, 1).reshape(KV_HEADS, -1, DIM), k_new.transpose(0, 1)], 1).repeat_interleave(
+        group, 0
+    )
+    values = torch.cat(
+        [v_cache.transpose(0, 1).reshape(KV_HEADS, -1, DIM), v_new.transpose(0, 1)], 1
+    ).repeat_interleave(group, 0)
     row = torch.arange(capacity, device=q.device)
-    cached = (torch.arange(slots, device=q.device)[None, :, None] == slot[:, None, None]) & (row[None, None] < cache_len[slot][:, None, None])
+    cached = (torch.arange(slots, device=q.device)[None, :, None] == slot[:, None, None]) & (
+        row[None, None] < cache_len[slot][:, None, None]
+    )
     new = (slot[:, None] == slot[None, :]) & (pos[None, :] <= pos[:, None])
     mask = torch.cat([cached.reshape(len(slot), -1), new], 1)
     return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
@@ -103,16 +109,24 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, GQA {Q_HEADS}:{KV_HEADS}, head_dim {DIM}")
 
     small = ragged_batch([0, 37, 120], [17, 4, 8], torch.float32, capacity=160)
-    numpy_error = np.abs(varlen_attention(*small).cpu().numpy() - numpy_reference(*(t.cpu().numpy() for t in small))).max()
+    numpy_error = np.abs(
+        varlen_attention(*small).cpu().numpy() - numpy_reference(*(t.cpu().numpy() for t in small))
+    ).max()
     print(f"fp32 kernel vs numpy reference (3 slots, a 17-token prefill chunk): max |error| {numpy_error:.2e}")
 
     cases = [
         ("decode 8 req x 1 tok, 8k ctx", [8192] * 8, [1] * 8),
         ("verify 8 req x 8 tok, 8k ctx", [8192] * 8, [8] * 8),
         ("verify 32 req x 4 tok, 2k ctx", [2048] * 32, [4] * 32),
-        ("mixed: verify 1-8 + 256-tok prefill", [8000, 4000, 1000, 300, 0, 6000, 7000, 2500], [1, 8, 3, 5, 256, 2, 7, 4]),
+        (
+            "mixed: verify 1-8 + 256-tok prefill",
+            [8000, 4000, 1000, 300, 0, 6000, 7000, 2500],
+            [1, 8, 3, 5, 256, 2, 7, 4],
+        ),
     ]
-    header = f"{'case':38s} {'T':>4s} {'max err':>8s} {'kernel ms':>9s} {'per-req ms':>10s} {'dense ms':>9s} {'GB/s':>7s} {'% peak':>6s}"
+    columns = (("case", 38), ("T", 4), ("max err", 8), ("kernel ms", 9), ("per-req ms", 10), ("dense ms", 9),
+               ("GB/s", 7), ("% peak", 6))
+    header = " ".join(f"{name:{'' if name == 'case' else '>'}{width}s}" for name, width in columns)
     print(header)
     print("-" * len(header))
     peak = peak_bandwidth()
@@ -130,7 +144,8 @@ def main() -> None:
         kv_bytes = 2 * KV_HEADS * DIM * batch[3].element_size() * (sum(contexts) + sum(new))
         bandwidth = kv_bytes / (kernel / 1e3)
         share = f"{100 * bandwidth / peak:5.1f}%" if peak else "   n/a"
-        print(f"{name:38s} {len(batch[0]):4d} {error:8.1e} {kernel:9.3f} {loop:10.3f} {dense} {bandwidth / 1e9:7.0f} {share}")
+        numbers = f"{len(batch[0]):4d} {error:8.1e} {kernel:9.3f} {loop:10.3f} {dense} {bandwidth / 1e9:7.0f} {share}"
+        print(f"{name:38s} {numbers}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,12 @@ def main() -> None:
     if drafter.config.head == "none":
         raise SystemExit(f"{args.drafter} has no sequential head")
     for requests in (int(r) for r in args.requests.split(",")):
-        print(json.dumps({"drafter": args.drafter, "head": drafter.config.head} | measure(drafter, args.context, requests, args.repeats)))
+        print(
+            json.dumps(
+                {"drafter": args.drafter, "head": drafter.config.head}
+                | measure(drafter, args.context, requests, args.repeats)
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -121,9 +121,17 @@ def deepspec_case(out: Path, target, name: str, head: str, layer_ids: list[int],
     from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
     from deepspec.modeling.dspark.qwen3.config import build_draft_config
 
-    args = dict(num_draft_layers=2, target_layer_ids=layer_ids, block_size=4, mask_token_id=MASK, num_anchors=8,
-                confidence_head_alpha=0.0 if confidence == "none" else 1.0, confidence_head_with_markov=confidence == "markov",
-                markov_rank=rank, markov_head_type=head)
+    args = dict(
+        num_draft_layers=2,
+        target_layer_ids=layer_ids,
+        block_size=4,
+        mask_token_id=MASK,
+        num_anchors=8,
+        confidence_head_alpha=0.0 if confidence == "none" else 1.0,
+        confidence_head_with_markov=confidence == "markov",
+        markov_rank=rank,
+        markov_head_type=head,
+    )
     config = build_draft_config(target.config, _Args(args))
     config._attn_implementation = "eager"
     model = Qwen3DSparkModel(config).eval()
@@ -151,12 +159,15 @@ def deepspec_case(out: Path, target, name: str, head: str, layer_ids: list[int],
             if model.markov_head is None:
                 return base[k]
             if head == "rnn":
-                state["rnn"], bias = model.markov_head._rnn_step(state["rnn"], model.markov_head.get_prev_embeddings(prev),
-                                                                  hidden[:, k])
+                state["rnn"], bias = model.markov_head._rnn_step(
+                    state["rnn"], model.markov_head.get_prev_embeddings(prev), hidden[:, k]
+                )
                 return base[k] + bias[0]
             return model.markov_head.apply_step_logits(base[k][None], token_ids=prev, hidden_states=hidden[:, k])[0]
 
-        tokens, probs = chain(step, gamma, anchor, data["noise"][request], temperature, TARGET["vocab_size"], lambda i: i)
+        tokens, probs = chain(
+            step, gamma, anchor, data["noise"][request], temperature, TARGET["vocab_size"], lambda i: i
+        )
         if temperature == 0 and model.markov_head is not None:  # DeepSpec's own greedy sampler agrees
             own, _ = model.sample_draft_tokens(base[None], first_prev_token_ids=torch.tensor([anchor]), temperature=0.0,
                                                hidden_states=hidden)
@@ -223,7 +234,9 @@ def speculators_case(out: Path, target, name: str, kind: str, layer_ids: list[in
     config_file.write_text(json.dumps(raw, indent=2) + "\n")
     data = inputs(len(layer_ids) * TARGET["hidden_size"], seed)
     d2t = None if draft_vocab is None else model.d2t.clone()
-    to_target = (lambda i: i) if d2t is None else (lambda i: (i + d2t[i]).tolist() if torch.is_tensor(i) else i + int(d2t[i]))
+    to_target = (
+        (lambda i: i) if d2t is None else (lambda i: (i + d2t[i]).tolist() if torch.is_tensor(i) else i + int(d2t[i]))
+    )
 
     @torch.no_grad()
     def run(request: int, temperature: float):
@@ -380,7 +393,9 @@ def main() -> None:
     deepspec_case(out, target, "deepspec-vanilla", "vanilla", [1, 2], "markov", 16, copy_target_embeddings=True, seed=1)
     deepspec_case(out, target, "deepspec-gated", "gated", [-1, 3], "markov", 16, copy_target_embeddings=False, seed=2)
     deepspec_case(out, target, "deepspec-rnn", "rnn", [0, 2], "markov", 16, copy_target_embeddings=False, seed=3)
-    deepspec_case(out, target, "deepspec-confidence-alone", "vanilla", [1, 3], "plain", 16, copy_target_embeddings=True, seed=4)
+    deepspec_case(
+        out, target, "deepspec-confidence-alone", "vanilla", [1, 3], "plain", 16, copy_target_embeddings=True, seed=4
+    )
     deepspec_case(out, target, "deepspec-dflash", "vanilla", [1, 2], "none", 0, copy_target_embeddings=True, seed=5)
     speculators_case(out, target, "speculators-dspark", "dspark", [2, 4], True, "gated", None, seed=6)
     speculators_case(out, target, "speculators-dspark-1n-pruned", "dspark", [1, 3], False, "rnn", 48, seed=7)

@@ -1,12 +1,14 @@
-"""Error of the fp16 and bf16 target graphs against the torch fp32 reference, on held-out demo prompts.
+"""Error of the fp16, int8 and int4 target graphs (and bf16) against the torch fp32 reference, on held-out
+demo prompts.
 
     python scripts/precision_report.py [--prompts 6] [--work build/precision]
 
-Builds `target.onnx` in float32 and float16 and runs them on ONNX Runtime (CPU) over whole prompts
-(prefill); compares the logits with the torch model in float32: max and mean absolute error, and how
-often the argmax agrees. ONNX Runtime's CPU provider runs many float16 ops through inserted casts to
-float32, so its float16 row is an optimistic bound for a GPU; it has no bfloat16 kernels at all, so the
-bf16 row is the torch model run in bfloat16 (what a bf16 engine computes, up to kernel differences).
+Builds engines with fp32, fp16, int8 and int4 weights and runs their target graphs on ONNX Runtime (CPU) over
+whole prompts (prefill); compares the logits with the torch model in float32: max and mean absolute error, how
+often the argmax agrees, and the next-token loss per domain (nats/token, the reference's beside it). ONNX
+Runtime's CPU provider runs many float16 ops through inserted casts to float32, so its float16 row is an
+optimistic bound for a GPU; it has no bfloat16 kernels at all, so the bf16 row is the torch model run in
+bfloat16 (what a bf16 engine computes, up to kernel differences).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     import torch
 
     from dspark_export.build import build_engine
+    from dspark_export.graphs.weights import WeightFormat
     from dspark_runtime.prompts import demo_prompts_path
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
@@ -45,23 +48,55 @@ def main() -> None:
     spec = resolve_target("demo")
     model, tokenizer = load_target(spec)
     rows = read_prompts(demo_prompts_path(), args.prompts)
-    engines = {dtype: build_engine(spec, args.work / dtype, dtype=dtype, cache_slots=1, max_context=1024, force=True,
-                                   show_progress=False) for dtype in ("float32", "float16")}
-    errors: dict[str, list] = {"onnx float32": [], "onnx float16": [], "torch bfloat16": []}
+    engines = {
+        f"onnx {weights}": build_engine(
+            spec,
+            args.work / weights,
+            dtype=dtype,
+            cache_slots=1,
+            max_context=1024,
+            force=True,
+            show_progress=False,
+            weights=WeightFormat(weights),
+        )
+        for weights, dtype in (("fp32", "float32"), ("fp16", "float16"), ("int8", "float32"), ("int4", "float32"))
+    }
+    errors: dict[str, list] = {name: [] for name in [*engines, "torch bfloat16", "reference"]}
     for row in rows:
         ids = tokenizer.encode(row["prompt"])
         with torch.no_grad():
             reference = model(torch.tensor([ids])).logits[0].float().numpy()
             bf16 = model.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy()
             model.float()
-        candidates = {"onnx float32": run_graph(engines["float32"], ids), "onnx float16": run_graph(engines["float16"], ids),
-                      "torch bfloat16": bf16}
+        candidates = {name: run_graph(engine, ids) for name, engine in engines.items()} | {"torch bfloat16": bf16,
+                                                                                         "reference": reference}
         for name, logits in candidates.items():
             diff = np.abs(logits.astype(np.float64) - reference)
-            errors[name].append((diff.max(), diff.mean(), (logits.argmax(-1) == reference.argmax(-1)).mean()))
-    report = {name: {"max_abs_error": float(max(e[0] for e in rows_)), "mean_abs_error": float(np.mean([e[1] for e in rows_])),
-                     "argmax_agreement": float(np.mean([e[2] for e in rows_]))} for name, rows_ in errors.items()}
+            errors[name].append((diff.max(), diff.mean(), (logits.argmax(-1) == reference.argmax(-1)).mean(),
+                                 next_token_loss(logits, ids), row.get("domain", "all")))
+    report = {}
+    for name, results in errors.items():
+        domains = sorted({r[4] for r in results})
+        loss = {d: round(float(np.mean([r[3] for r in results if r[4] == d])), 4) for d in domains}
+        report[name] = (
+            {"loss_per_domain": loss}
+            if name == "reference"
+            else {
+                "max_abs_error": float(max(r[0] for r in results)),
+                "mean_abs_error": float(np.mean([r[1] for r in results])),
+                "argmax_agreement": float(np.mean([r[2] for r in results])),
+                "loss_per_domain": loss,
+            }
+        )
     print(json.dumps({"prompts": len(rows), "reference": "torch float32 logits"} | report, indent=2))
+
+
+def next_token_loss(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean cross-entropy (nats) of each prompt token given the ones before it."""
+    shifted = logits[:-1].astype(np.float64)
+    shifted -= shifted.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return float(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean())
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], rng: np.random.G
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="a preset: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b")
+    parser.add_argument(
+        "--target", required=True, help="a preset: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shard-gib", type=float, default=2.0)
     args = parser.parse_args()
@@ -74,7 +76,9 @@ def main() -> None:
         write_shard(args.out / file, shapes, rng)
         weight_map |= {name: file for name in shapes}
         print(f"wrote {file}", flush=True)
-    (args.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (args.out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
     (args.out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_dir() / name, args.out / name)

@@ -79,7 +79,9 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
     from dspark_export.graphs.weights import WeightFormat
     from dspark_export.presets import resolve_target
 
-    target = write_hf_checkpoint(root / "target", vocab_size=300, max_position_embeddings=context, tie_word_embeddings=True)
+    target = write_hf_checkpoint(
+        root / "target", vocab_size=300, max_position_embeddings=context, tie_word_embeddings=True
+    )
     train_tokenizer(TEXT, target, vocab_size=300)
     tensors = load_file(target / "model.safetensors")
     for name in tensors:

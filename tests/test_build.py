@@ -33,7 +33,9 @@ def build(*args):
 
 def test_build_writes_a_verified_engine(tmp_path, target):
     drafter = write_drafter(target, tmp_path / "drafter")
-    result = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"), "--cache-slots", "4")
+    result = build(
+        "--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"), "--cache-slots", "4"
+    )
     assert result.exit_code == 0, result.output
     manifest = read_manifest(tmp_path / "engine")
     assert manifest.gamma == 3 and manifest.cache_slots == 4 and manifest.feature_layers == [1]
@@ -104,7 +106,11 @@ def test_full_disk_leaves_no_engine(tmp_path, target, monkeypatch):
 
 
 def test_bad_inputs(tmp_path, target):
-    other = write_drafter(target, tmp_path / "other", target=Qwen3Config.from_dir(target).architecture_fields() | {"hidden_size": 32, "num_attention_heads": 2})
+    other = write_drafter(
+        target,
+        tmp_path / "other",
+        target=Qwen3Config.from_dir(target).architecture_fields() | {"hidden_size": 32, "num_attention_heads": 2},
+    )
     result = build("--target-path", str(target), "--drafter", str(other), "--out", str(tmp_path / "e1"))
     assert result.exit_code != 0 and "hidden_size=32, but this target has hidden_size=64" in result.output
     wrong_vocab = write_drafter(target, tmp_path / "vocab", vocab_hash="0000")
@@ -175,20 +181,32 @@ def _tamper(folder, change):
 TAMPERED = {  # what an edited or damaged engine directory may hold -> a fragment of the one-line error
     "wrong vocab_size": (lambda m, f: m.update(vocab_size=m["vocab_size"] + 1), "vocab_size"),
     "zero cache slots": (lambda m, f: m.update(cache_slots=0), "'cache_slots' is 0"),
-    "a file outside the directory": (lambda m, f: m["files"].update({"../../../../etc/hostname": "0" * 64}), "not a file name"),
+    "a file outside the directory": (
+        lambda m, f: m["files"].update({"../../../../etc/hostname": "0" * 64}),
+        "not a file name",
+    ),
     "files as a list": (lambda m, f: m.update(files=["target.onnx"]), "'files'"),
     "context beyond the model": (lambda m, f: m.update(max_context=4096), "exceeds the model's"),
     "an end id outside the vocabulary": (lambda m, f: m.update(eos_token_ids=[10**6]), "outside the vocabulary"),
     "an unknown field": (lambda m, f: m.update(extra=1), "unknown field"),
     "a field missing": (lambda m, f: m.pop("backend"), "no 'backend'"),
     "not UTF-8": (lambda m, f: (f / "manifest.json").write_bytes(b"\xff\xfe{"), "corrupt"),
-    "a corrupt speed curve": (lambda m, f: (f / "hardware_curve.json").write_text('{"target_seconds": [1, -2]}'),
-                              "hardware_curve.json is corrupt"),
-    "speed curve not JSON": (lambda m, f: (f / "hardware_curve.json").write_text("{"), "hardware_curve.json is corrupt"),
-    "a corrupt calibration": (lambda m, f: (f / "calibration.json").write_text('{"by_temperature": 5}'),
-                              "calibration.json is corrupt"),
-    "calibration of another γ": (lambda m, f: (f / "calibration.json").write_text(
-        '{"by_temperature": {"1.0": {"temperatures": [1.0]}}}'), "calibration.json is corrupt"),
+    "a corrupt speed curve": (
+        lambda m, f: (f / "hardware_curve.json").write_text('{"target_seconds": [1, -2]}'),
+        "hardware_curve.json is corrupt",
+    ),
+    "speed curve not JSON": (
+        lambda m, f: (f / "hardware_curve.json").write_text("{"),
+        "hardware_curve.json is corrupt",
+    ),
+    "a corrupt calibration": (
+        lambda m, f: (f / "calibration.json").write_text('{"by_temperature": 5}'),
+        "calibration.json is corrupt",
+    ),
+    "calibration of another γ": (
+        lambda m, f: (f / "calibration.json").write_text('{"by_temperature": {"1.0": {"temperatures": [1.0]}}}'),
+        "calibration.json is corrupt",
+    ),
 }
 
 

@@ -27,7 +27,9 @@ def dspark_run(*args: str) -> list[str]:
 
 def test_interactive_chat(engine_dir):
     command = dspark_run(str(engine_dir), "--temp", "0", "-n", "1500", "--threads", "1")
-    child = pexpect.spawn(command[0], command[1:], encoding="utf-8", timeout=60, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    child = pexpect.spawn(
+        command[0], command[1:], encoding="utf-8", timeout=60, env={"OMP_NUM_THREADS": "1", "PATH": ""}
+    )
     child.expect(">>> ")
     child.sendline("Hello there")
     child.expect(r"\[[\d.]+ tok/s, tau [\d.]+, .* tokens, (length|stop)\]")

@@ -47,7 +47,9 @@ def test_preset_found_in_hf_cache_and_checked_against_preset(tmp_path, monkeypat
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc123"
     write_hf_checkpoint(snapshot)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(ConfigError, match="does not match --target qwen3-0.6b.*hidden_size: preset 1024, checkpoint 64"):
+    with pytest.raises(
+        ConfigError, match="does not match --target qwen3-0.6b.*hidden_size: preset 1024, checkpoint 64"
+    ):
         resolve_target("qwen3-0.6b")
 
 
@@ -64,7 +66,10 @@ def test_wrong_shape_names_the_tensor(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 100
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\], expected \[100, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\], expected \[100, 64\]",
+    ):
         open_checkpoint(folder)
 
 
@@ -73,7 +78,11 @@ def test_corrupt_safetensors(tmp_path, damage):
     folder = write_hf_checkpoint(tmp_path / "tiny")
     file = folder / "model.safetensors"
     data = file.read_bytes()
-    file.write_bytes({"truncate": data[: len(data) // 2], "garbage-header": data[:8] + b"{not json" + data[17:], "empty": b""}[damage])
+    file.write_bytes(
+        {"truncate": data[: len(data) // 2], "garbage-header": data[:8] + b"{not json" + data[17:], "empty": b""}[
+            damage
+        ]
+    )
     with pytest.raises(CheckpointError, match="corrupt|truncated|not a safetensors"):
         open_checkpoint(folder)
     code, output = run_cli("inspect", "--target-path", str(folder))
@@ -98,7 +107,10 @@ def test_unknown_preset_lists_known_ones(tmp_path):
     "change, message",
     [
         ({"model_type": "llama"}, "unsupported architecture: model_type 'llama'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling 'yarn' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+            "rope scaling 'yarn' is not supported",
+        ),
         ({"use_sliding_window": True}, "use_sliding_window"),
     ],
 )
@@ -114,7 +126,9 @@ def test_unsupported_architecture(tmp_path, change, message):
 
 def test_inspect_reports_a_real_checkpoint(tmp_path):
     folder = write_hf_checkpoint(tmp_path / "tiny", tie_word_embeddings=True)
-    code, output = run_cli("inspect", "--target-path", str(folder), "--cache-slots", "2", "--max-context", "100", "--json")
+    code, output = run_cli(
+        "inspect", "--target-path", str(folder), "--cache-slots", "2", "--max-context", "100", "--json"
+    )
     assert code == 0, output
     report = json.loads(output)
     config = Qwen3Config.from_dir(folder)

@@ -26,7 +26,13 @@ def test_preset_resolves_to_the_packaged_checkpoint():
     assert spec.path == demo_dir()
     assert spec.config == DEMO_CONFIG
     files = {p.name for p in demo_dir().iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
     assert sum(p.stat().st_size for p in demo_dir().iterdir()) < 60e6
 
 
@@ -62,8 +68,10 @@ def test_chat_template_renders_two_turns():
         {"role": "assistant", "content": "Fortune favours the bold."},
         {"role": "user", "content": "Another one?"},
     ])
-    assert text == ("<|im_start|>user\nTell me a fortune.<|im_end|>\n<|im_start|>assistant\nFortune favours the bold.<|im_end|>\n"
-                    "<|im_start|>user\nAnother one?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>user\nTell me a fortune.<|im_end|>\n<|im_start|>assistant\nFortune favours the bold.<|im_end|>\n"
+        "<|im_start|>user\nAnother one?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tokenizer.encode(text)
     assert ids.count(tokenizer.special["<|im_start|>"]) == 4 and tokenizer.decode(ids) == text
     assert tokenizer.eos_token_ids == (2, 0)

@@ -55,7 +55,9 @@ def write_streams(folder, seed=0):
 
 def test_training_resumes_exactly_where_it_stopped(tmp_path):
     write_streams(tmp_path)
-    cfg = TrainConfig(steps=6, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=6, eval_batches=1, checkpoint_every=100)
+    cfg = TrainConfig(
+        steps=6, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=6, eval_batches=1, checkpoint_every=100
+    )
     straight = train(TINY, tmp_path, tmp_path / "straight", cfg, threads=1)
     train(TINY, tmp_path, tmp_path / "resumed", cfg, threads=1, until=3)  # interrupted after step 3
     resumed = train(TINY, tmp_path, tmp_path / "resumed", cfg, threads=1)
@@ -65,7 +67,9 @@ def test_training_resumes_exactly_where_it_stopped(tmp_path):
 
 def test_training_reduces_held_out_loss(tmp_path):
     write_streams(tmp_path)
-    cfg = TrainConfig(steps=60, batch=4, seq_len=32, lr=3e-3, warmup=5, eval_every=30, eval_batches=2, checkpoint_every=60)
+    cfg = TrainConfig(
+        steps=60, batch=4, seq_len=32, lr=3e-3, warmup=5, eval_every=30, eval_batches=2, checkpoint_every=60
+    )
     train(TINY, tmp_path, tmp_path / "run", cfg, threads=1)
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     evaluations = [record["val"] for record in log if "val" in record]

@@ -60,7 +60,9 @@ def test_block_mask_constructed_case():
 
 def test_blocks_inputs_labels_and_validity():
     tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0]])
-    blocks = build_blocks(tokens, torch.tensor([6]), torch.tensor([3]), torch.tensor([[2, 4]]), gamma=3, mask_token_id=99)
+    blocks = build_blocks(
+        tokens, torch.tensor([6]), torch.tensor([3]), torch.tensor([[2, 4]]), gamma=3, mask_token_id=99
+    )
     assert blocks.input_ids.tolist() == [[[12, 99, 99], [14, 99, 99]]]
     assert blocks.previous.tolist() == [[[12, 13, 14], [14, 15, 0]]]  # past the end: padding, masked below
     assert blocks.labels[0, 0].tolist() == [13, 14, 15]
@@ -76,7 +78,9 @@ def test_block_drafter_never_peeks(target):
     positions = torch.tensor([[3, 4, 5, 6, 6, 7, 8, 9]])
 
     def run(features, ids):
-        return drafter.backbone(ids, positions, drafter.fuse(features), torch.arange(10)[None], block_mask(anchors, 10, 4))
+        return drafter.backbone(
+            ids, positions, drafter.fuse(features), torch.arange(10)[None], block_mask(anchors, 10, 4)
+        )
 
     base = run(features, ids)
     later = features.clone()
@@ -106,7 +110,9 @@ def test_loss_terms_by_hand():
     expected = {"ce": (ce * w).sum() / w.sum(), "l1": (2 * tv * w).sum() / w.sum(), "bce": (bce * w).sum() / w.sum()}
     for name, value in expected.items():
         assert float(terms[name]) == pytest.approx(value, rel=1e-5), name
-    assert float(terms["total"]) == pytest.approx(0.1 * expected["ce"] + 0.9 * expected["l1"] + expected["bce"], rel=1e-5)
+    assert float(terms["total"]) == pytest.approx(
+        0.1 * expected["ce"] + 0.9 * expected["l1"] + expected["bce"], rel=1e-5
+    )
     assert float(terms["tau"]) == pytest.approx(1 + (1 - tv[0]) + (1 - tv[0]) * (1 - tv[1]), rel=1e-5)
 
 
@@ -127,8 +133,13 @@ def test_several_distillation_files_train_as_one_set(tmp_path):
     files = []
     for index, sequences in enumerate(([[5, 6, 7], [8, 9]], [[10, 11, 12, 13]])):
         lengths = np.array([len(seq) for seq in sequences], np.int32)
-        np.savez(tmp_path / f"{index}.npz", tokens=np.concatenate(sequences).astype(np.uint16),
-                 starts=np.r_[0, np.cumsum(lengths)[:-1]], lengths=lengths, prompt_lengths=np.ones(len(lengths), np.int32))
+        np.savez(
+            tmp_path / f"{index}.npz",
+            tokens=np.concatenate(sequences).astype(np.uint16),
+            starts=np.r_[0, np.cumsum(lengths)[:-1]],
+            lengths=lengths,
+            prompt_lengths=np.ones(len(lengths), np.int32),
+        )
         files.append(tmp_path / f"{index}.npz")
     data = Sequences.load(*files)
     tokens, lengths, _ = data.batch(np.array([2, 1]), max_length=8)
@@ -136,7 +147,9 @@ def test_several_distillation_files_train_as_one_set(tmp_path):
     assert tokens.tolist() == [[10, 11, 12, 13], [8, 9, 0, 0]]
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")])
+@pytest.mark.parametrize(
+    "kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")]
+)
 def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
     torch.manual_seed(0)
     drafter = build_drafter(drafter_config(kind, head))
@@ -214,7 +227,9 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(target):
         tokens = ids[:, committed.shape[1]:]
         return Draft(tokens, torch.nn.functional.one_hot(tokens, TARGET.vocab_size).float(), torch.ones(tokens.shape))
 
-    generation = speculative_generate(target, Oracle(), [5, 9, 11], max_new=15, temperature=0.0, seed=0, draft_fn=oracle_draft)
+    generation = speculative_generate(
+        target, Oracle(), [5, 9, 11], max_new=15, temperature=0.0, seed=0, draft_fn=oracle_draft
+    )
     assert [r.accepted for r in generation.rounds] == [4, 4, 4]
 
 

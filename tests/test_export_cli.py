@@ -18,7 +18,9 @@ from tests.conftest import write_hf_checkpoint  # noqa: E402
 @pytest.fixture
 def tiny_target(tmp_path):
     folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, vocab_size=300)
-    train_tokenizer(["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there!"] * 30, folder, vocab_size=300)
+    train_tokenizer(
+        ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there!"] * 30, folder, vocab_size=300
+    )
     return folder
 
 
@@ -40,7 +42,9 @@ def test_train_then_eval(tmp_path, tiny_target, kind):
     config = json.loads((tmp_path / kind / "config.json").read_text())
     assert config["drafter_type"] == kind and config["feature_layers"] == [1]  # L // 2 for one drafter layer of three
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"domain": d, "prompt": p}) + "\n" for d, p in [("code", "def add("), ("chat", "Hello")]))
+    prompts.write_text(
+        "".join(json.dumps({"domain": d, "prompt": p}) + "\n" for d, p in [("code", "def add("), ("chat", "Hello")])
+    )
     result = runner.invoke(main, ["eval", "--target-path", str(tiny_target), "--drafter", str(tmp_path / kind),
                                   "--prompts", str(prompts), "--max-new", "6", "--temperature", "1", "--json",
                                   "--plot", str(tmp_path / "curves.png")])
@@ -54,8 +58,26 @@ def test_train_then_eval(tmp_path, tiny_target, kind):
 def test_eval_refuses_a_drafter_of_another_target(tmp_path, tiny_target):
     write_sequences(tmp_path / "data.npz")
     runner = CliRunner()
-    runner.invoke(main, ["train", "--target-path", str(tiny_target), "--data", str(tmp_path / "data.npz"),
-                         "--out", str(tmp_path / "d"), "--steps", "1", "--batch", "2", "--anchors", "1", "--gamma", "2"])
+    runner.invoke(
+        main,
+        [
+            "train",
+            "--target-path",
+            str(tiny_target),
+            "--data",
+            str(tmp_path / "data.npz"),
+            "--out",
+            str(tmp_path / "d"),
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--anchors",
+            "1",
+            "--gamma",
+            "2",
+        ],
+    )
     other = write_hf_checkpoint(tmp_path / "other", hidden_size=32, num_attention_heads=2, vocab_size=300)
     train_tokenizer(["something else entirely"] * 30, other, vocab_size=300)
     result = runner.invoke(main, ["eval", "--target-path", str(other), "--drafter", str(tmp_path / "d")])

@@ -33,7 +33,9 @@ DRAFTER_FIELDS = {"dspark": {}, "dflash": {"head": "none", "confidence": False},
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    folder = write_hf_checkpoint(tmp_path_factory.mktemp("contract") / "target", vocab_size=300, max_position_embeddings=64)
+    folder = write_hf_checkpoint(
+        tmp_path_factory.mktemp("contract") / "target", vocab_size=300, max_position_embeddings=64
+    )
     train_tokenizer(TEXT, folder, vocab_size=300)
     return folder
 
@@ -85,13 +87,23 @@ def test_every_drafter_kind_profiles_and_runs_the_scheduled_modes(tmp_path, targ
         curve = engine.profile(context=8, repeats=1)
         assert len(curve["target_seconds"]) == 16 and len(curve["draft_seconds"]) == 2
         plain = engine.generate("def add(", GREEDY, spec="off").token_ids
-        assert [engine.generate("def add(", GREEDY, spec=spec).token_ids for spec in ("fixed:3", "sync", "async")] == [plain] * 3
+        assert [engine.generate("def add(", GREEDY, spec=spec).token_ids for spec in ("fixed:3", "sync", "async")] == [
+            plain
+        ] * 3
 
 
 def test_a_float16_engine_generates_and_speculation_keeps_its_output(tmp_path, target):
     drafter = write_drafter(target, tmp_path / "drafter")
-    folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "d", dtype="float16", cache_slots=2,
-                          max_batch_tokens=16, show_progress=False)
+    folder = build_engine(
+        resolve_target(None, target),
+        tmp_path / "engine",
+        drafter,
+        "d",
+        dtype="float16",
+        cache_slots=2,
+        max_batch_tokens=16,
+        show_progress=False,
+    )
     with Engine.load(folder, threads=1, profile=False) as engine:
         plain = engine.generate("def add(", GREEDY, spec="off")
         assert len(plain.token_ids) == 16
@@ -124,7 +136,9 @@ def test_the_runner_takes_exactly_the_graphs_inputs(tmp_path, target):
 
 def test_an_engine_whose_graph_drifted_from_the_contract_is_refused(tmp_path, target):
     drafter = write_drafter(target, tmp_path / "drafter")
-    folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "d", cache_slots=2, show_progress=False)
+    folder = build_engine(
+        resolve_target(None, target), tmp_path / "engine", drafter, "d", cache_slots=2, show_progress=False
+    )
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["feature_layers"] = [0, 1]  # the contract now expects twice the feature width the graphs have
     (folder / "manifest.json").write_text(json.dumps(manifest))

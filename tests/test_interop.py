@@ -23,21 +23,61 @@ from dspark_export.interop import open_drafter
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 TARGET = FIXTURES / "target"
 CASES = {  # case -> (layout, our view of its layout)
-    "deepspec-vanilla": ("deepspec", dict(head="markov", feature_layers=(1, 2), own_embedding=False, own_lm_head=False)),
+    "deepspec-vanilla": (
+        "deepspec",
+        dict(head="markov", feature_layers=(1, 2), own_embedding=False, own_lm_head=False),
+    ),
     "deepspec-gated": ("deepspec", dict(head="gated", feature_layers=(-1, 3), own_embedding=True, own_lm_head=True)),
     "deepspec-rnn": ("deepspec", dict(head="rnn", feature_layers=(0, 2), confidence_with_markov=True)),
     "deepspec-confidence-alone": ("deepspec", dict(head="markov", confidence=True, confidence_with_markov=False)),
     "deepspec-dflash": ("deepspec", dict(drafter_type="dflash", head="none", confidence=False)),
     "speculators-dspark": ("speculators", dict(head="gated", feature_layers=(1, 3), sample_from_anchor=True, gamma=4)),
-    "speculators-dspark-1n-pruned": ("speculators", dict(head="rnn", feature_layers=(0, 2), sample_from_anchor=False,
-                                                         gamma=3, draft_vocab_size=48, own_embedding=False)),
+    "speculators-dspark-1n-pruned": (
+        "speculators",
+        dict(
+            head="rnn",
+            feature_layers=(0, 2),
+            sample_from_anchor=False,
+            gamma=3,
+            draft_vocab_size=48,
+            own_embedding=False,
+        ),
+    ),
     "speculators-dflash": ("speculators", dict(drafter_type="dflash", sample_from_anchor=False, gamma=3)),
-    "zlab-dflash": ("z-lab", dict(drafter_type="dflash", feature_layers=(1, 2), sample_from_anchor=False, gamma=3,
-                                  own_embedding=False, own_lm_head=False)),
-    "speculators-eagle3": ("speculators", dict(drafter_type="eagle3", feature_layers=(0, 1, 3), gamma=4, qk_norm=True,
-                                               norm_before_residual=True, draft_vocab_size=64, own_embedding=False)),
-    "specforge-eagle3": ("specforge", dict(drafter_type="eagle3", feature_layers=(1, 2, 3), qk_norm=False,
-                                           norm_before_residual=False, draft_vocab_size=40, own_lm_head=True)),
+    "zlab-dflash": (
+        "z-lab",
+        dict(
+            drafter_type="dflash",
+            feature_layers=(1, 2),
+            sample_from_anchor=False,
+            gamma=3,
+            own_embedding=False,
+            own_lm_head=False,
+        ),
+    ),
+    "speculators-eagle3": (
+        "speculators",
+        dict(
+            drafter_type="eagle3",
+            feature_layers=(0, 1, 3),
+            gamma=4,
+            qk_norm=True,
+            norm_before_residual=True,
+            draft_vocab_size=64,
+            own_embedding=False,
+        ),
+    ),
+    "specforge-eagle3": (
+        "specforge",
+        dict(
+            drafter_type="eagle3",
+            feature_layers=(1, 2, 3),
+            qk_norm=False,
+            norm_before_residual=False,
+            draft_vocab_size=40,
+            own_lm_head=True,
+        ),
+    ),
 }
 SLOTS, LMAX = 2, 16
 
@@ -51,16 +91,32 @@ def feeds(reference, source, temperature: float) -> dict[str, np.ndarray]:
     config, target = source.config, source.config.target_config
     contexts = [reference[f"features_{r}"] for r in range(2)]
     shape = (SLOTS, target.num_key_value_heads, LMAX, target.head_dim)
-    return {
-        "context_features": np.concatenate(contexts), "cache_len": np.zeros(SLOTS, np.int64),
-        "context_slot": np.concatenate([np.full(len(c), r) for r, c in enumerate(contexts)]).astype(np.int64),
-        "context_pos": np.concatenate([np.arange(len(c)) for c in contexts]).astype(np.int64),
-        "anchor_ids": reference["anchors"].astype(np.int64), "anchor_pos": np.array([len(c) for c in contexts]),
-        "request_slot": np.arange(2), "noise": reference["noise"][:, : config.gamma],
-        "temperature": np.full(2, temperature, np.float32),
-    } | {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(config.num_layers)} | (
-        {"context_ids": np.concatenate([reference[f"context_ids_{r}"] for r in range(2)]).astype(np.int64),
-         "context_last": np.cumsum([len(c) for c in contexts]) - 1} if config.drafter_type == "eagle3" else {})
+    return (
+        {
+            "context_features": np.concatenate(contexts),
+            "cache_len": np.zeros(SLOTS, np.int64),
+            "context_slot": np.concatenate([np.full(len(c), r) for r, c in enumerate(contexts)]).astype(np.int64),
+            "context_pos": np.concatenate([np.arange(len(c)) for c in contexts]).astype(np.int64),
+            "anchor_ids": reference["anchors"].astype(np.int64),
+            "anchor_pos": np.array([len(c) for c in contexts]),
+            "request_slot": np.arange(2),
+            "noise": reference["noise"][:, : config.gamma],
+            "temperature": np.full(2, temperature, np.float32),
+        }
+        | {
+            f"past_{kind}_{layer}": np.zeros(shape, np.float32)
+            for kind in ("key", "value")
+            for layer in range(config.num_layers)
+        }
+        | (
+            {
+                "context_ids": np.concatenate([reference[f"context_ids_{r}"] for r in range(2)]).astype(np.int64),
+                "context_last": np.cumsum([len(c) for c in contexts]) - 1,
+            }
+            if config.drafter_type == "eagle3"
+            else {}
+        )
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

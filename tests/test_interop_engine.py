@@ -131,7 +131,9 @@ def test_engine_with_an_imported_drafter_is_lossless(target, tmp_path, drafter):
     engine_dir = build_engine(resolve_target(None, target), tmp_path / "engine", FIXTURES / drafter, drafter,
                               cache_slots=8, max_context=64, show_progress=False)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    assert [r[0] for r in generate(engine_dir, greedy, "fixed:3")] == [r[0] for r in generate(engine_dir, greedy, "off")]
+    assert [r[0] for r in generate(engine_dir, greedy, "fixed:3")] == [
+        r[0] for r in generate(engine_dir, greedy, "off")
+    ]
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     with Engine.load(engine_dir, threads=1) as engine:
         prompt = engine.tokenizer.encode("Hello there")
@@ -210,8 +212,10 @@ def test_bad_drafter_folders_fail_with_one_line_and_write_nothing(target, tmp_pa
     fixture, breaks, message = BAD_DRAFTERS[case]
     drafter = breaks(shutil.copytree(FIXTURES / fixture, tmp_path / "drafter"))
     out = tmp_path / "engine"
-    result = CliRunner().invoke(main, ["build", "--target-path", str(target), "--drafter", str(drafter), "--out", str(out),
-                                       "--kv-memory", "1MiB"])
+    result = CliRunner().invoke(
+        main,
+        ["build", "--target-path", str(target), "--drafter", str(drafter), "--out", str(out), "--kv-memory", "1MiB"],
+    )
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not out.exists() and not list(tmp_path.glob(".engine*"))

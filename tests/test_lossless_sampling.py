@@ -44,8 +44,13 @@ def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
     slots = read_manifest(engine_dir).cache_slots
 
     def last_logits(ids: list[int]) -> np.ndarray:
-        batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(slots, np.int64),
-                            np.asarray([len(ids) - 1]))
+        batch = TargetBatch(
+            np.asarray(ids),
+            np.arange(len(ids)),
+            np.zeros(len(ids), np.int64),
+            np.zeros(slots, np.int64),
+            np.asarray([len(ids) - 1]),
+        )
         return target.run(batch.feeds(target.io))["logits"]
 
     first = target_rows(last_logits(prompt_ids), np.asarray(prompt_ids), np.zeros(0, np.int64), params)[0]
@@ -60,7 +65,10 @@ def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
 
 def sample_pairs(engine, prompt_ids, params, spec, rounds: list[int] | None = None) -> dict[tuple[int, int], int]:
     """Counts of the first two generated tokens over SAMPLES seeds (and each request's verification rounds)."""
-    requests = [engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec) for seed in range(SAMPLES)]
+    requests = [
+        engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec)
+        for seed in range(SAMPLES)
+    ]
     counts: dict[tuple[int, int], int] = {}
     for request in requests:
         result = request.result()
@@ -112,12 +120,18 @@ def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec
     decoding in lockstep, only the four most confident drafts fit, so some requests verify a draft and others not."""
     folder = tmp_path / "engine"
     shutil.copytree(skewed_engine_dir, folder)
-    curve = {"target_seconds": [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)], "draft_seconds": [0.0001] * 8}
+    curve = {
+        "target_seconds": [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)],
+        "draft_seconds": [0.0001] * 8,
+    }
     (folder / "hardware_curve.json").write_text(json.dumps(curve))
     params = SETTINGS["T1"]
     with Engine.load(folder, threads=1) as engine:
         prompt = engine.tokenizer.encode("Hello there")
         rounds: list[int] = []
-        assert p_value(sample_pairs(engine, prompt, params, spec, rounds), exact_joint(skewed_engine_dir, prompt, params)) > 1e-3
+        assert (
+            p_value(sample_pairs(engine, prompt, params, spec, rounds), exact_joint(skewed_engine_dir, prompt, params))
+            > 1e-3
+        )
     verified = sum(r > 0 for r in rounds)
     assert 0.05 * SAMPLES < verified < 0.95 * SAMPLES, verified

@@ -21,7 +21,9 @@ CASES = {
     "untied-gqa4-theta1e6": dict(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=1e6),
     "tied-gqa1-theta1e4": dict(tie_word_embeddings=True, num_key_value_heads=4, rope_theta=1e4),
     "tied-gqa2-linear-rope": dict(
-        tie_word_embeddings=True, num_key_value_heads=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+        tie_word_embeddings=True,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
     ),
 }
 

@@ -42,15 +42,18 @@ def make_drafter(tmp_path, kind, head):
                 param.normal_(0, 0.5)
     attach_target(drafter, target)
     save_drafter(drafter, tmp_path / "drafter")
-    graph = build_drafter_onnx(open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "engine" / "drafter.onnx")
+    graph = build_drafter_onnx(
+        open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "engine" / "drafter.onnx"
+    )
     onnx.checker.check_model(str(graph), full_check=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return drafter.eval(), ort.InferenceSession(str(graph), options), config
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"),
-                                        ("eagle3", "none")])
+@pytest.mark.parametrize(
+    "kind, head", [("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")]
+)
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8, 0.8), (1.3, 0.0)])
 def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
     drafter, session, config = make_drafter(tmp_path, kind, head)
@@ -61,7 +64,10 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
     shape = (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
     caches = [[np.zeros(shape, np.float32), np.zeros(shape, np.float32)] for _ in range(layers)]
     # request 0 in slot 2 and request 1 in slot 0; full histories of target features and tokens
-    history = {2: rng.standard_normal((12, features_dim)).astype(np.float32), 0: rng.standard_normal((9, features_dim)).astype(np.float32)}
+    history = {
+        2: rng.standard_normal((12, features_dim)).astype(np.float32),
+        0: rng.standard_normal((9, features_dim)).astype(np.float32),
+    }
     tokens = {2: rng.integers(4, config.vocab_size, 13), 0: rng.integers(4, config.vocab_size, 10)}
     committed = {2: 0, 0: 0}
     names = [o.name for o in session.get_outputs()]
@@ -117,7 +123,10 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     assert not any(node.op_type == "Gemm" for node in quantized.graph.node)  # every projection is int8
     (chain,) = [node for node in quantized.graph.node if node.op_type == "If"]  # the whole head: one If per call
     products = {branch.name: sum(node.op_type == "MatMulNBits" for node in branch.g.node) for branch in chain.attribute}
-    assert products == {"then_branch": GAMMA, "else_branch": 0}  # one Markov product per sampled step; greedy: candidates
+    assert products == {
+        "then_branch": GAMMA,
+        "else_branch": 0,
+    }  # one Markov product per sampled step; greedy: candidates
     onnx.checker.check_model(str(graphs[True]), full_check=True)
     config = checkpoint.config
     rng = np.random.default_rng(0)
@@ -147,18 +156,28 @@ def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_
     config = checkpoint.config
     monkeypatch.setattr(block_body, "GREEDY_CANDIDATES", config.vocab_size)
     # float projections, so that no int8 rounding differs between the two paths
-    graph = build_drafter_onnx(open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True)
+    graph = build_drafter_onnx(
+        open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True
+    )
     rng = np.random.default_rng(3)
     requests, shape = 3, (SLOTS, config.num_key_value_heads, LMAX, config.head_dim)
-    feeds = {"context_features": rng.standard_normal((6, 2 * config.hidden_size)).astype(np.float32),
-             "context_slot": np.repeat(np.arange(requests), 2), "context_pos": np.tile(np.arange(2), requests),
-             "anchor_ids": rng.integers(4, config.vocab_size, requests), "anchor_pos": np.full(requests, 2),
-             "request_slot": np.arange(requests), "cache_len": np.zeros(SLOTS, np.int64),
-             "noise": rng.uniform(0, 1, (requests, GAMMA)).astype(np.float32), "temperature": np.zeros(requests, np.float32)}
+    feeds = {
+        "context_features": rng.standard_normal((6, 2 * config.hidden_size)).astype(np.float32),
+        "context_slot": np.repeat(np.arange(requests), 2),
+        "context_pos": np.tile(np.arange(2), requests),
+        "anchor_ids": rng.integers(4, config.vocab_size, requests),
+        "anchor_pos": np.full(requests, 2),
+        "request_slot": np.arange(requests),
+        "cache_len": np.zeros(SLOTS, np.int64),
+        "noise": rng.uniform(0, 1, (requests, GAMMA)).astype(np.float32),
+        "temperature": np.zeros(requests, np.float32),
+    }
     feeds |= {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value") for layer in range(2)}
     session = ort.InferenceSession(str(graph))
     greedy, probs = session.run(["draft_tokens", "draft_probs"], feeds)
     assert probs.shape[-1] == 0
-    mixed, probs = session.run(["draft_tokens", "draft_probs"], feeds | {"temperature": np.array([0, 0, 1], np.float32)})
+    mixed, probs = session.run(
+        ["draft_tokens", "draft_probs"], feeds | {"temperature": np.array([0, 0, 1], np.float32)}
+    )
     assert probs.shape[-1] == config.vocab_size
     assert (greedy[:2] == mixed[:2]).all()

@@ -42,7 +42,9 @@ def run_step(graph: OrtGraph, requests):
 def two_requests(folder, graph_file, lowering="portable", weights=WeightFormat(), feature_layers=(0, 1)):
     """Two requests prefilled in interleaved chunks over two calls; returns (graph, logits a, logits b, features a)."""
     config = Qwen3Config.from_dir(folder)
-    graph_file = build_target_onnx(Checkpoint(folder, config), graph_file, "float32", feature_layers, weights, lowering, ROWS)
+    graph_file = build_target_onnx(
+        Checkpoint(folder, config), graph_file, "float32", feature_layers, weights, lowering, ROWS
+    )
     onnx.checker.check_model(str(graph_file), full_check=True)
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
                    2 * config.hidden_size, "float32", lowering == "ort", SLOTS, ROWS)

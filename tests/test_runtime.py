@@ -82,7 +82,9 @@ def test_streaming_deltas_add_up(engine):
 def test_queueing_and_cancellation_return_every_slot(engine):
     rng = np.random.default_rng(0)
     expected = {p: engine.generate(p, GREEDY, spec="fixed:3").token_ids for p in PROMPTS}
-    requests = [(PROMPTS[i % len(PROMPTS)], engine.submit(PROMPTS[i % len(PROMPTS)], GREEDY, spec="fixed:3")) for i in range(32)]
+    requests = [
+        (PROMPTS[i % len(PROMPTS)], engine.submit(PROMPTS[i % len(PROMPTS)], GREEDY, spec="fixed:3")) for i in range(32)
+    ]
     cancelled = set(rng.choice(32, size=10, replace=False).tolist())
     for index in cancelled:
         requests[index][1].cancel()
@@ -172,12 +174,39 @@ def test_bench_command(engine_dir, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"domain": "code", "prompt": p}) + "\n" for p in PROMPTS))
-    result = CliRunner().invoke(main, ["bench", str(engine_dir), "--prompts", str(prompts), "--modes", "off,fixed:3",
-                                       "--concurrency", "1,2", "--max-tokens", "8", "--ignore-eos", "--threads", "1", "--domains", "code", "--repeats", "3",
-                                       "--plot", str(tmp_path / "frontier.png"), "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(engine_dir),
+            "--prompts",
+            str(prompts),
+            "--modes",
+            "off,fixed:3",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--threads",
+            "1",
+            "--domains",
+            "code",
+            "--repeats",
+            "3",
+            "--plot",
+            str(tmp_path / "frontier.png"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
-    assert [(r["mode"], r["concurrency"]) for r in report["results"]] == [("off", 1), ("fixed:3", 1), ("off", 2), ("fixed:3", 2)]
+    assert [(r["mode"], r["concurrency"]) for r in report["results"]] == [
+        ("off", 1),
+        ("fixed:3", 1),
+        ("off", 2),
+        ("fixed:3", 2),
+    ]
     assert all(r["generated_tokens"] == 8 * len(PROMPTS) and r["ratio_to_off"] > 0 for r in report["results"])
     for r in report["results"]:  # ratios within each of the three rounds, then their median
         assert len(r["ratio_to_off_by_round"]) == 3 and r["ratio_to_off"] == np.median(r["ratio_to_off_by_round"])
@@ -255,7 +284,9 @@ def test_calibrate_command(tmp_path_factory):
 
 
 def test_a_full_context_finishes_with_length(engine):
-    result = engine.generate("Hello there", SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), spec="fixed:3")
+    result = engine.generate(
+        "Hello there", SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), spec="fixed:3"
+    )
     assert result.finish_reason == "length"
     # 64 positions hold K/V; the last token sampled from position 63 is still emitted
     assert result.prompt_tokens + len(result.token_ids) == 65
@@ -281,8 +312,27 @@ def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engi
     import os
 
     env = os.environ | {"DSPARK_THREAD_POOL": "process"}
-    run = subprocess.run([sys.executable, "-m", "dspark_runtime.cli", str(echo_engine_dir), "-p", "Hello there", "--temp", "0",
-                          "-n", "12", "--spec", "fixed:3", "--completion", "--json"], capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark_runtime.cli",
+            str(echo_engine_dir),
+            "-p",
+            "Hello there",
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "--spec",
+            "fixed:3",
+            "--completion",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     with Engine.load(echo_engine_dir, threads=1) as engine:
         expected = engine.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0), spec="fixed:3").text

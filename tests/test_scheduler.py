@@ -82,8 +82,12 @@ A, B = 0, 1
 
 def emit(lengths: int, drafts, target_rows, draft_rows, rng) -> list[int]:
     """Verify `lengths` drafts; the round's emitted tokens."""
-    accepted, token = verify_sampled(np.stack(target_rows[: lengths + 1]), np.reshape(draft_rows[:lengths], (lengths, 2)),
-                                     np.array(drafts[:lengths], dtype=np.int64), lambda k, purpose: rng.random())
+    accepted, token = verify_sampled(
+        np.stack(target_rows[: lengths + 1]),
+        np.reshape(draft_rows[:lengths], (lengths, 2)),
+        np.array(drafts[:lengths], dtype=np.int64),
+        lambda k, purpose: rng.random(),
+    )
     return list(drafts[:accepted]) + [token]
 
 

@@ -143,7 +143,9 @@ HOSTILE = [  # (route, raw body, expected status, a fragment of the error messag
 ]
 
 
-@pytest.mark.parametrize("route, payload, status, fragment", HOSTILE, ids=[f"{i}-{row[3] or 'ok'}" for i, row in enumerate(HOSTILE)])
+@pytest.mark.parametrize(
+    "route, payload, status, fragment", HOSTILE, ids=[f"{i}-{row[3] or 'ok'}" for i, row in enumerate(HOSTILE)]
+)
 def test_a_hostile_request_gets_a_clear_4xx_and_hurts_no_other_request(server, route, payload, status, fragment):
     url, engine = server
     expected = engine.generate("def add(", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)).text
@@ -184,7 +186,9 @@ def test_what_a_web_page_could_send_is_refused(server):
     foreign = httpx.post(url + "/v1/completions", content=body, timeout=30,
                          headers={"content-type": "application/json", "origin": "http://evil.example"})
     assert foreign.status_code == 403
-    big = httpx.post(url + "/v1/completions", content=b" " * (2 << 20), headers={"content-type": "application/json"}, timeout=30)
+    big = httpx.post(
+        url + "/v1/completions", content=b" " * (2 << 20), headers={"content-type": "application/json"}, timeout=30
+    )
     assert big.status_code == 413
 
 
@@ -233,7 +237,9 @@ def test_soak_64_streams_with_random_aborts(server):
     other one completes with a finish reason, and afterwards every slot is free and nothing is queued."""
     url, engine = server
     rng = random.Random(0)
-    plans = [(rng.choice(["Hello", "def add(", "The answer"]), rng.randint(4, 40), rng.random() < 0.33) for _ in range(64)]
+    plans = [
+        (rng.choice(["Hello", "def add(", "The answer"]), rng.randint(4, 40), rng.random() < 0.33) for _ in range(64)
+    ]
 
     def run(plan) -> str | None:
         prompt, tokens, abort = plan

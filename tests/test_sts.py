@@ -42,7 +42,9 @@ def test_temperatures_preserve_ranking_within_a_position():
     for k in range(logits.shape[1]):
         assert np.array_equal(np.argsort(logits[:, k], kind="stable"), np.argsort(calibrated[:, k], kind="stable"))
     report = calibration_report(logits, accepted, temperatures, biases)
-    assert report["before"]["auc"][0] == report["after"]["auc"][0]  # the first position's ranking is exactly the raw one
+    assert (
+        report["before"]["auc"][0] == report["after"]["auc"][0]
+    )  # the first position's ranking is exactly the raw one
     assert np.all(np.diff(prefix_survival(logits, temperatures, biases), axis=1) <= 0)
 
 

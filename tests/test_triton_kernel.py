@@ -37,8 +37,16 @@ def ragged_batch(rng, slots, q_heads, kv_heads, dim, capacity, new_per_slot):
         k_cache[s, :, cache_len[s]:] = 1e4
         v_cache[s, :, cache_len[s]:] = 1e4
     tokens = len(slot)
-    return (normal(tokens, q_heads, dim), normal(tokens, kv_heads, dim), normal(tokens, kv_heads, dim), k_cache, v_cache,
-            slot.astype(np.int64), pos, cache_len.astype(np.int64))
+    return (
+        normal(tokens, q_heads, dim),
+        normal(tokens, kv_heads, dim),
+        normal(tokens, kv_heads, dim),
+        k_cache,
+        v_cache,
+        slot.astype(np.int64),
+        pos,
+        cache_len.astype(np.int64),
+    )
 
 
 @pytest.mark.parametrize("q_heads, kv_heads, dim, bidirectional, splits", [
@@ -48,7 +56,9 @@ def ragged_batch(rng, slots, q_heads, kv_heads, dim, capacity, new_per_slot):
 ])
 def test_kernel_matches_the_reference(q_heads, kv_heads, dim, bidirectional, splits):
     rng = np.random.default_rng(q_heads * dim + splits)
-    arrays = ragged_batch(rng, slots=4, q_heads=q_heads, kv_heads=kv_heads, dim=dim, capacity=80, new_per_slot=[9, 4, 0, 1])
+    arrays = ragged_batch(
+        rng, slots=4, q_heads=q_heads, kv_heads=kv_heads, dim=dim, capacity=80, new_per_slot=[9, 4, 0, 1]
+    )
     expected = reference(*arrays, bidirectional=bidirectional)
     tensors = [torch.from_numpy(a).to(DEVICE) for a in arrays]
     out = varlen_attention(*tensors, bidirectional=bidirectional, splits=splits, block_n=16)

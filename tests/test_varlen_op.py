@@ -33,7 +33,10 @@ def op_model(bidirectional: bool) -> onnx.ModelProto:
 def sessions():
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return {bidirectional: ort.InferenceSession(op_model(bidirectional).SerializeToString(), options) for bidirectional in (False, True)}
+    return {
+        bidirectional: ort.InferenceSession(op_model(bidirectional).SerializeToString(), options)
+        for bidirectional in (False, True)
+    }
 
 
 def ragged_batch(rng, requests):

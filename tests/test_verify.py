@@ -94,8 +94,14 @@ def test_truncation_rules_row_by_row_and_batched():
     from dspark_runtime.sampling import SamplingParams, truncated_distribution
 
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
-    cases = [(dict(top_k=2), [0.4, 0.3, 0, 0]), (dict(top_p=0.6), [0.4, 0.3, 0, 0]), (dict(top_p=0.75), [0.4, 0.3, 0.2, 0]),
-             (dict(min_p=0.5), [0.4, 0.3, 0.2, 0]), (dict(top_k=3, min_p=0.6), [0.4, 0.3, 0, 0]), ({}, [0.4, 0.3, 0.2, 0.1])]
+    cases = [
+        (dict(top_k=2), [0.4, 0.3, 0, 0]),
+        (dict(top_p=0.6), [0.4, 0.3, 0, 0]),
+        (dict(top_p=0.75), [0.4, 0.3, 0.2, 0]),
+        (dict(min_p=0.5), [0.4, 0.3, 0.2, 0]),
+        (dict(top_k=3, min_p=0.6), [0.4, 0.3, 0, 0]),
+        ({}, [0.4, 0.3, 0.2, 0.1]),
+    ]
     batch = np.stack([logits, logits[::-1], logits[[2, 0, 3, 1]]])
     for options, kept in cases:
         params = SamplingParams(temperature=1.0, **options)

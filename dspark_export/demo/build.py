@@ -58,7 +58,9 @@ def main(work: Path, steps: int, threads: int | None, export_only: bool) -> None
     if not (corpus / "chat.test.jsonl").is_file():
         click.echo(json.dumps({"corpus": build_corpus(corpus, work / "cache")}), err=True)
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        train_tokenizer((doc["text"] for d in DOMAINS for doc in read_jsonl(corpus / f"{d}.train.jsonl")), tokenizer_dir)
+        train_tokenizer(
+            (doc["text"] for d in DOMAINS for doc in read_jsonl(corpus / f"{d}.train.jsonl")), tokenizer_dir
+        )
     if not (tokens / "chat.test.u16").is_file():
         click.echo(json.dumps({"tokens": tokenize_corpus(corpus, tokenizer_dir, tokens)}), err=True)
     cfg = TrainConfig(steps=steps)

@@ -18,8 +18,14 @@ DOMAINS = ("code", "math", "chat")
 SPLITS = ("train", "val", "test")
 MATH_PROBLEMS = {"train": 40_000, "val": 1_000, "test": 1_000}
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a friendly and concise assistant.", "Answer clearly."]
-FORTUNE_ASKS = ["Tell me a fortune.", "Share a quote with me.", "Say something clever.", "Give me a saying to think about.",
-                "Cheer me up with a fortune.", "Tell me something funny."]
+FORTUNE_ASKS = [
+    "Tell me a fortune.",
+    "Share a quote with me.",
+    "Say something clever.",
+    "Give me a saying to think about.",
+    "Cheer me up with a fortune.",
+    "Tell me something funny.",
+]
 PASSAGE_LINES = 32
 CHAT_PROMPT_END = "<|im_start|>assistant\n"  # a chat prompt ends where the reply begins
 

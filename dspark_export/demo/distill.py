@@ -25,7 +25,9 @@ BUCKET = 32  # chat prompts are trimmed from the left to a multiple of this (sho
 MAX_CHAT_PROMPT = 256
 
 
-def training_prompts(corpus: Path, tokenizer, per_domain: int, code_prompt_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
+def training_prompts(
+    corpus: Path, tokenizer, per_domain: int, code_prompt_tokens: int, seed: int
+) -> list[tuple[str, list[int]]]:
     """(domain, token ids) prompts: chat turns up to the assistant's reply, code as a file prefix."""
     rng = random.Random(seed)
     prompts = []
@@ -46,7 +48,9 @@ def training_prompts(corpus: Path, tokenizer, per_domain: int, code_prompt_token
 
 
 @torch.no_grad()
-def generate_batch(model: Qwen3Model, prompts: torch.Tensor, max_new: int, greedy: bool, generator: torch.Generator) -> list[list[int]]:
+def generate_batch(
+    model: Qwen3Model, prompts: torch.Tensor, max_new: int, greedy: bool, generator: torch.Generator
+) -> list[list[int]]:
     """Continue equal-length prompts [B, P]; each continuation ends at its first stop token (kept)."""
     batch, length = prompts.shape
     model.setup_caches(batch, length + max_new)
@@ -71,7 +75,9 @@ def generate_batch(model: Qwen3Model, prompts: torch.Tensor, max_new: int, greed
     return continuations
 
 
-def distill(model: Qwen3Model, prompts: list[tuple[str, list[int]]], max_new: int, batch: int, seed: int) -> dict[str, np.ndarray]:
+def distill(
+    model: Qwen3Model, prompts: list[tuple[str, list[int]]], max_new: int, batch: int, seed: int
+) -> dict[str, np.ndarray]:
     """Greedy and T=1 continuations for every prompt, grouped by prompt length so batches share positions."""
     generator = torch.Generator().manual_seed(seed)
     groups: dict[int, list[int]] = defaultdict(list)
@@ -105,7 +111,9 @@ def distill(model: Qwen3Model, prompts: list[tuple[str, list[int]]], max_new: in
 @click.command()
 @click.option("--target", default="demo", show_default=True, help="Target name (see dspark-export inspect).")
 @click.option("--target-path", default=None, help="Hugging Face model folder.")
-@click.option("--corpus", type=click.Path(file_okay=False, path_type=Path), default=Path("build/demo/corpus"), show_default=True)
+@click.option(
+    "--corpus", type=click.Path(file_okay=False, path_type=Path), default=Path("build/demo/corpus"), show_default=True
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--per-domain", type=int, default=1000, show_default=True, help="Prompts per domain.")
 @click.option("--max-new", type=int, default=160, show_default=True, help="Tokens per continuation at most.")
@@ -121,7 +129,9 @@ def main(target, target_path, corpus, out, per_domain, max_new, batch, seed) -> 
     data = distill(model, prompts, max_new, batch, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out, **data)
-    click.echo(json.dumps({"sequences": int(len(data["lengths"])), "tokens": int(data["lengths"].sum()), "out": str(out)}))
+    click.echo(
+        json.dumps({"sequences": int(len(data["lengths"])), "tokens": int(data["lengths"].sum()), "out": str(out)})
+    )
 
 
 if __name__ == "__main__":

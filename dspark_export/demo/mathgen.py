@@ -23,7 +23,10 @@ def shopping(rng: random.Random) -> tuple[str, list[str], int]:
     count, price, paid_extra = rng.randint(2, 12), rng.randint(1, 9), rng.randint(1, 20)
     budget = count * price + paid_extra
     question = f"{name} buys {count} {many} at ${price} each and pays with ${budget}. How much change does {name} get?"
-    steps = [f"The {many} cost {count} × ${price} = ${count * price}.", f"The change is ${budget} − ${count * price} = ${paid_extra}."]
+    steps = [
+        f"The {many} cost {count} × ${price} = ${count * price}.",
+        f"The change is ${budget} − ${count * price} = ${paid_extra}.",
+    ]
     return question, steps, paid_extra
 
 
@@ -32,8 +35,13 @@ def sharing(rng: random.Random) -> tuple[str, list[str], int]:
     friends, each, left = rng.randint(2, 9), rng.randint(2, 15), rng.randint(0, 1)
     total = friends * each + left * rng.randint(1, friends - 1)
     share, remainder = divmod(total, friends)
-    question = f"{name} has {total} {many} and shares them equally among {friends} friends. How many does each friend get?"
-    steps = [f"Divide {total} by {friends}: {total} ÷ {friends} = {share}" + (f" with {remainder} left over." if remainder else ".")]
+    question = (
+        f"{name} has {total} {many} and shares them equally among {friends} friends. How many does each friend get?"
+    )
+    steps = [
+        f"Divide {total} by {friends}: {total} ÷ {friends} = {share}"
+        + (f" with {remainder} left over." if remainder else ".")
+    ]
     return question, steps, share
 
 
@@ -49,7 +57,10 @@ def ages(rng: random.Random) -> tuple[str, list[str], int]:
     a, b = rng.sample(NAMES, 2)
     age_b, gap, years = rng.randint(3, 40), rng.randint(2, 30), rng.randint(2, 15)
     question = f"{a} is {gap} years older than {b}. {b} is {age_b}. How old will {a} be in {years} years?"
-    steps = [f"{a} is now {age_b} + {gap} = {age_b + gap}.", f"In {years} years {a} will be {age_b + gap} + {years} = {age_b + gap + years}."]
+    steps = [
+        f"{a} is now {age_b} + {gap} = {age_b + gap}.",
+        f"In {years} years {a} will be {age_b + gap} + {years} = {age_b + gap + years}.",
+    ]
     return question, steps, age_b + gap + years
 
 
@@ -58,9 +69,16 @@ def rectangle(rng: random.Random) -> tuple[str, list[str], int]:
     thing = rng.choice(["garden", "room", "field", "poster", "table top"])
     if rng.random() < 0.5:
         question = f"A rectangular {thing} is {length} m long and {width} m wide. What is its area?"
-        return question, [f"Area = length × width = {length} × {width} = {length * width} square metres."], length * width
+        return (
+            question,
+            [f"Area = length × width = {length} × {width} = {length * width} square metres."],
+            length * width,
+        )
     question = f"A rectangular {thing} is {length} m long and {width} m wide. What is its perimeter?"
-    steps = [f"Perimeter = 2 × (length + width) = 2 × ({length} + {width}) = 2 × {length + width} = {2 * (length + width)} m."]
+    steps = [
+        f"Perimeter = 2 × (length + width) = 2 × ({length} + {width}) = 2 × {length + width} = "
+        f"{2 * (length + width)} m."
+    ]
     return question, steps, 2 * (length + width)
 
 
@@ -69,7 +87,10 @@ def percent(rng: random.Random) -> tuple[str, list[str], int]:
     name = rng.choice(NAMES)
     off = base * pct // 100
     question = f"A jacket costs ${base}. {name} gets a {pct}% discount. What is the sale price?"
-    steps = [f"The discount is {pct}% of ${base} = {pct}/100 × {base} = ${off}.", f"The sale price is ${base} − ${off} = ${base - off}."]
+    steps = [
+        f"The discount is {pct}% of ${base} = {pct}/100 × {base} = ${off}.",
+        f"The sale price is ${base} − ${off} = ${base - off}.",
+    ]
     return question, steps, base - off
 
 
@@ -79,7 +100,10 @@ def linear_equation(rng: random.Random) -> tuple[str, list[str], int]:
     sign = "+" if b >= 0 else "−"
     question = f"Solve for x: {a}x {sign} {abs(b)} = {c}."
     move = f"Subtract {b} from both sides" if b >= 0 else f"Add {-b} to both sides"
-    steps = [f"{move}: {a}x = {c} {'−' if b >= 0 else '+'} {abs(b)} = {c - b}.", f"Divide both sides by {a}: x = {c - b} ÷ {a} = {x}."]
+    steps = [
+        f"{move}: {a}x = {c} {'−' if b >= 0 else '+'} {abs(b)} = {c - b}.",
+        f"Divide both sides by {a}: x = {c - b} ÷ {a} = {x}.",
+    ]
     return question, steps, x
 
 
@@ -103,8 +127,11 @@ def multi_step(rng: random.Random) -> tuple[str, list[str], int]:
     eaten = total - remaining
     question = (f"{name} bought {boxes} boxes of cookies with {per_box} cookies in each box, ate {eaten} of them, "
                 f"and split the rest equally among {friends} friends. How many cookies did each friend get?")
-    steps = [f"Total cookies: {boxes} × {per_box} = {total}.", f"After eating {eaten}: {total} − {eaten} = {remaining}.",
-             f"Each friend gets {remaining} ÷ {friends} = {remaining // friends}."]
+    steps = [
+        f"Total cookies: {boxes} × {per_box} = {total}.",
+        f"After eating {eaten}: {total} − {eaten} = {remaining}.",
+        f"Each friend gets {remaining} ÷ {friends} = {remaining // friends}.",
+    ]
     return question, steps, remaining // friends
 
 
@@ -119,7 +146,10 @@ def savings(rng: random.Random) -> tuple[str, list[str], int]:
     name, weekly, goal_weeks, start = rng.choice(NAMES), rng.randint(3, 25), rng.randint(3, 12), rng.randint(0, 50)
     goal = start + weekly * goal_weeks
     question = f"{name} has ${start} and saves ${weekly} each week. How many weeks until {name} has ${goal}?"
-    steps = [f"{name} still needs ${goal} − ${start} = ${goal - start}.", f"At ${weekly} a week that takes {goal - start} ÷ {weekly} = {goal_weeks} weeks."]
+    steps = [
+        f"{name} still needs ${goal} − ${start} = ${goal - start}.",
+        f"At ${weekly} a week that takes {goal - start} ÷ {weekly} = {goal_weeks} weeks.",
+    ]
     return question, steps, goal_weeks
 
 

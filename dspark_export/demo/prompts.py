@@ -20,7 +20,9 @@ def code_prompts(documents: list[dict], limit: int, rng: random.Random) -> list[
         for match in DEF_WITH_DOCSTRING.finditer(doc["text"]):
             snippet = match.group(0)
             if 40 <= len(snippet) <= 600:
-                candidates.append(snippet if not snippet.startswith("    ") else re.sub(r"^    ", "", snippet, flags=re.MULTILINE))
+                candidates.append(
+                    snippet if not snippet.startswith("    ") else re.sub(r"^    ", "", snippet, flags=re.MULTILINE)
+                )
     rng.shuffle(candidates)
     return [{"domain": "code", "prompt": text} for text in candidates[:limit]]
 

@@ -17,7 +17,9 @@ from dspark_export.model import Qwen3Model
 
 
 @torch.no_grad()
-def held_out_metrics(model: Qwen3Model, stream: np.ndarray, windows: int, seq_len: int, seed: int = 0) -> dict[str, float]:
+def held_out_metrics(
+    model: Qwen3Model, stream: np.ndarray, windows: int, seq_len: int, seed: int = 0
+) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     losses, entropies, hits = [], [], []
     for _ in range(windows):
@@ -55,7 +57,9 @@ def main(work: Path, windows: int, samples: int) -> None:
         for prompt in [p for p in prompts if p["domain"] == domain][:samples]:
             ids = torch.tensor([tokenizer.encode(prompt["prompt"])])
             continuation = generate_batch(model, ids, 80, True, torch.Generator())[0]
-            report["greedy_samples"][domain].append({"prompt": prompt["prompt"], "completion": tokenizer.decode(continuation)})
+            report["greedy_samples"][domain].append(
+                {"prompt": prompt["prompt"], "completion": tokenizer.decode(continuation)}
+            )
     click.echo(json.dumps(report, indent=2, ensure_ascii=False))
 
 

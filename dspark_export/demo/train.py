@@ -126,7 +126,12 @@ def train(model_config: Qwen3Config, tokens: Path, run: Path, cfg: TrainConfig, 
         rate = (step - bar.initial) * tokens_per_step / (time.time() - started)
         bar.set_postfix(loss=f"{smoothed:.3f}", tok_s=f"{rate:.0f}")
         bar.update()
-        record = {"step": step, "tokens": step * tokens_per_step, "loss": round(smoothed, 4), "time": round(time.time(), 1)}
+        record = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "loss": round(smoothed, 4),
+            "time": round(time.time(), 1),
+        }
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record["val"] = evaluate(model, val_streams, cfg)
         if step % 10 == 0 or "val" in record:

@@ -25,7 +25,9 @@ class AnchorBlocks:
     valid: torch.Tensor  # [B, n, γ]   label exists and is supervised, and so are all before it
 
 
-def sample_anchors(lengths: torch.Tensor, supervised_from: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+def sample_anchors(
+    lengths: torch.Tensor, supervised_from: torch.Tensor, count: int, generator: torch.Generator
+) -> torch.Tensor:
     """`count` sorted anchors per sequence with a supervised first label: max(1, s-1) <= a <= len-2."""
     anchors = []
     for length, first in zip(lengths.tolist(), supervised_from.tolist()):

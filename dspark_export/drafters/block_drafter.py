@@ -170,7 +170,9 @@ class BlockDrafter(DraftVocabulary):
         return logits, confidence
 
     @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> Draft:
+    def draft(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: float, noise: torch.Tensor | None
+    ) -> Draft:
         """Sample γ drafts left to right from the block's hidden states [R, N, H] (N = `block_rows`).
 
         Inverse CDF: x_k is the first token whose cumulative probability exceeds u_k = noise[:, k], so x_k is

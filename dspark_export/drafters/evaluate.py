@@ -59,7 +59,9 @@ def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new
         noise = torch.rand(1, config.gamma, generator=noise_gen).clamp_(1e-12, 1 - 1e-7)
         draft = draft_fn(drafter, committed, features, temperature, noise)
         candidates = torch.cat([committed[:, -1:], draft.tokens], 1)
-        verify = target(candidates, torch.arange(length, length + config.gamma + 1)[None], config.feature_layers, use_cache=True)
+        verify = target(
+            candidates, torch.arange(length, length + config.gamma + 1)[None], config.feature_layers, use_cache=True
+        )
         accepted, token = verify_drafts(verify.logits[0].float(), draft, temperature, rng)
         new = draft.tokens[0, :accepted].tolist() + [token]
         result.rounds.append(RoundRecord(accepted, config.gamma, draft.confidence[0].tolist(),

@@ -36,7 +36,9 @@ def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> 
     return 0.5 * (torch.softmax(draft_logits.float(), -1) - torch.softmax(target_logits.float(), -1)).abs().sum(-1)
 
 
-def drafter_loss(draft_logits, target_logits, labels, valid, confidence_logits, weights: LossWeights) -> dict[str, torch.Tensor]:
+def drafter_loss(
+    draft_logits, target_logits, labels, valid, confidence_logits, weights: LossWeights
+) -> dict[str, torch.Tensor]:
     """All terms of the drafter loss. Shapes: logits [.., γ, V], labels/valid/confidence [.., γ]."""
     w = position_weights(valid, weights.decay)
     norm = w.sum().clamp(min=1e-8)

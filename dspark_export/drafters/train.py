@@ -77,7 +77,9 @@ def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generat
         # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
         entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
         step_logits = drafter.unroll(tokens, features, drafter.config.gamma, entries)
-        return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids())
+        return eagle3_loss(
+            step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids()
+        )
     return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
 
 
@@ -94,7 +96,9 @@ def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: 
     usable = data.usable()
     warmup = max(1, int(cfg.warmup_fraction * cfg.steps))
     drafter.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {drafter.config.drafter_type}", unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc=f"train {drafter.config.drafter_type}", unit="step", dynamic_ncols=True
+    )
     smoothed: dict[str, float] = {}
     while step < min(cfg.steps, until or cfg.steps):
         rng = np.random.default_rng([cfg.seed, step])

@@ -37,7 +37,10 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
                                      b.const(config.mask_token_id)), b.const([-1]))
     x = ops.weights.embedding(b, block_ids, "embed_tokens.weight")  # [R·N, H]
     context = ops.rms_norm(ops.linear("context_features", "fc.weight"), "hidden_norm.weight")  # [C, H]
-    all_pos, all_slot = b.op("Concat", "context_pos", block_pos, axis=0), b.op("Concat", "context_slot", block_slot, axis=0)
+    all_pos, all_slot = (
+        b.op("Concat", "context_pos", block_pos, axis=0),
+        b.op("Concat", "context_slot", block_slot, axis=0),
+    )
     cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
     context_count = b.op("Shape", "context_pos")
     end = b.const([np.iinfo(np.int64).max])
@@ -74,7 +77,9 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
 GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
 
 
-def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, block_hidden: str, sampler: Sampler) -> None:
+def _sequential_head(
+    b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, block_hidden: str, sampler: Sampler
+) -> None:
     """Unrolled γ steps under one `If` (bias from the previous token, a draw from one uniform each), then
     the confidence logits of all steps in one product: they need only the hidden state and the previous token.
     `block_hidden` [R, N, H] are the backbone's normed states of all block rows; rows N-γ.. draft.
@@ -97,11 +102,15 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
         if config.head == "markov":
             return code, state
         if config.head == "gated":
-            gate = weights.linear(sub, sub.op("Concat", h_k, code, axis=-1), head + "gate_proj.weight", head + "gate_proj.bias")
+            gate = weights.linear(
+                sub, sub.op("Concat", h_k, code, axis=-1), head + "gate_proj.weight", head + "gate_proj.bias"
+            )
             return sub.op("Mul", sub.op("Sigmoid", gate), code), state
         if state is None:
             state = sub.op("Mul", code, sub.const(0.0, np.float32))
-        z = weights.linear(sub, sub.op("Concat", state, code, h_k, axis=-1), head + "joint_proj.weight", head + "joint_proj.bias")
+        z = weights.linear(
+            sub, sub.op("Concat", state, code, h_k, axis=-1), head + "joint_proj.weight", head + "joint_proj.bias"
+        )
         gate, candidate, out = sub.op("Split", z, axis=-1, num_outputs=3, outputs=3)
         gate = sub.op("Sigmoid", gate)
         state = sub.op("Add", sub.op("Mul", gate, state),
@@ -131,15 +140,24 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
         return [sub.op("Concat", *tokens, axis=1), sub.op("Concat", *probs, axis=1)]
 
     def greedy_candidates(sub: GraphBuilder) -> list[str]:
-        top_logits, top_ids = sub.op("TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2)  # [R, γ, M]
+        top_logits, top_ids = sub.op(
+            "TopK", base, sub.const([min(GREEDY_CANDIDATES, vocab)]), axis=-1, outputs=2
+        )  # [R, γ, M]
         flat = weights.embedding(sub, sub.op("Reshape", top_ids, sub.const([-1])), head + "markov_w2.weight")  # W2 rows
-        rows = sub.op("Transpose", sub.op("Reshape", flat, sub.op("Concat", sub.op("Shape", top_ids), sub.const([config.markov_rank]),
-                                                                   axis=0)), perm=[0, 1, 3, 2])  # [R, γ, r, M]
+        rows = sub.op(
+            "Transpose",
+            sub.op(
+                "Reshape", flat, sub.op("Concat", sub.op("Shape", top_ids), sub.const([config.markov_rank]), axis=0)
+            ),
+            perm=[0, 1, 3, 2],
+        )  # [R, γ, r, M]
         previous, state, tokens = "anchor_ids", start(sub), []
         for k in range(gamma):
             index = sub.const(k)
             vector, state = head_input(sub, previous, state, sub.op("Gather", per_step, index, axis=1))
-            bias = sub.op("MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1))  # [R, 1, M]
+            bias = sub.op(
+                "MatMul", sub.op("Unsqueeze", vector, sub.const([1])), sub.op("Gather", rows, index, axis=1)
+            )  # [R, 1, M]
             scores = sub.op("Add", sub.op("Squeeze", bias, sub.const([1])), sub.op("Gather", top_logits, index, axis=1))
             best = sub.op("ArgMax", scores, axis=-1, keepdims=1)  # [R, 1]
             chosen = sub.op("GatherElements", sub.op("Gather", top_ids, index, axis=1), best, axis=1)
@@ -154,7 +172,9 @@ def _sequential_head(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, bl
         if config.confidence_with_markov:
             previous = b.op("Concat", b.op("Unsqueeze", "anchor_ids", b.const([1])),
                             b.op("Slice", tokens, b.const([0]), b.const([gamma - 1]), b.const([1])), axis=1)
-            codes = weights.embedding(b, b.op("Reshape", previous, b.const([-1])), head + "markov_w1.weight")  # [R·γ, r]
+            codes = weights.embedding(
+                b, b.op("Reshape", previous, b.const([-1])), head + "markov_w1.weight"
+            )  # [R·γ, r]
             hidden = b.op("Concat", hidden, codes, axis=-1)
         logits = weights.linear(b, hidden, "confidence_head.proj.weight", "confidence_head.proj.bias")
         b.op("Reshape", logits, b.const([-1, gamma]), name="confidence_logits")

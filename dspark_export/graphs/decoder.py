@@ -54,7 +54,9 @@ def rope_tables(b: GraphBuilder, pos: str, head_dim: int, theta: float, factor: 
     """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles, then the
     graph dtype), for `DecoderOps.rope`."""
     inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor).astype(np.float32)
-    angles = b.op("Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32))
+    angles = b.op(
+        "Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32)
+    )
     angles = b.op("Unsqueeze", b.op("Concat", angles, angles, axis=-1), b.const([1]))
     sign = b.const(np.repeat([-1.0, 1.0], head_dim // 2), np.float32)
     return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Mul", b.op("Sin", angles), sign), to=dtype)

@@ -53,8 +53,12 @@ def build_drafter_onnx(source: DrafterSource, target: Checkpoint, graph_file: st
     sampler = Sampler(b, config.drafted_vocab, greedy_shortcut, source.target_ids(), t.vocab_size)
     BODIES[config.drafter_type](b, ops, config, sampler, io)
     store.close()
-    metadata = {"drafter_config": config.to_json(), "weights": weights.name, "greedy_shortcut": str(int(greedy_shortcut)),
-                "layout": source.layout}
+    metadata = {
+        "drafter_config": config.to_json(),
+        "weights": weights.name,
+        "greedy_shortcut": str(int(greedy_shortcut)),
+        "layout": source.layout,
+    }
     return write_model(graph_file, b, io, list(stream.initializers.values()), "drafter", metadata)
 
 

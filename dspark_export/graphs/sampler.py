@@ -50,10 +50,14 @@ class Sampler:
                                              else_branch=self._branch(body, outputs, sample=False)))
         return names
 
-    def _branch(self, body: Callable[[GraphBuilder, bool], list[str]], outputs: list[tuple[str, int]], sample: bool) -> onnx.GraphProto:
+    def _branch(
+        self, body: Callable[[GraphBuilder, bool], list[str]], outputs: list[tuple[str, int]], sample: bool
+    ) -> onnx.GraphProto:
         sub = GraphBuilder(f"{self.b.prefix}{outputs[0][0]}_{'sample' if sample else 'argmax'}_")
         results = body(sub, sample)
-        infos = [helper.make_tensor_value_info(value, elem_type, None) for value, (_, elem_type) in zip(results, outputs)]
+        infos = [
+            helper.make_tensor_value_info(value, elem_type, None) for value, (_, elem_type) in zip(results, outputs)
+        ]
         return helper.make_graph(sub.nodes, sub.prefix + "branch", [], infos)
 
     def draw(self, sub: GraphBuilder, logits: str, k: int, sample: bool) -> tuple[str, str]:

@@ -9,8 +9,8 @@ inputs and outputs are the contract's (`dspark_runtime.graph_io`). Two lowerings
   the requests padded per cache slot (right-padded chunks, `query_seqlens`; the runtime lays the step out),
   with the rotary embedding in the kernel and the KV cache as a past/present buffer the kernel appends to in
   place; every norm after the first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k
-  and v are one projection, and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape, the attention falls
-  back to the portable op (`attention_for`) with the rest unchanged.
+  and v are one projection, and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape,
+  the attention falls back to the portable op (`attention_for`) with the rest unchanged.
 
 Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
 `Weights.embedding`; a tied LM head shares the embedding's tensor (and its codes when quantized).
@@ -98,12 +98,18 @@ class TargetLayers:
             self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)
         else:
             self.cos, self.sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, ops.dtype)
-            self.q_shape, self.kv_shape, self.flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+            self.q_shape, self.kv_shape, self.flat_shape = (
+                b.const([-1, hq, d]),
+                b.const([-1, hkv, d]),
+                b.const([-1, hq * d]),
+            )
 
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
         ops, p = self.ops, f"model.layers.{layer}."
         attended = self._attention(layer, h, p + "self_attn.")
-        h, x = self._add_norm(x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight")
+        h, x = self._add_norm(
+            x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight"
+        )
         last = layer == self.config.num_hidden_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
         return self._add_norm(x, ops.swiglu(h, p + "mlp."), next_norm)
@@ -124,14 +130,42 @@ class TargetLayers:
         keys, values = self.out[0][layer], self.out[1][layer]
         if self.attention == "gqa":  # in the slot-padded layout: the runtime's slot_rows, token_rows, lengths
             q, k, v = ops.qkv(h, prefix, self.widths, layout="slot_rows")  # [S, M, ...]
-            q = b.op("Reshape", ops.rms_norm(b.op("Reshape", q, b.const([0, 0, -1, c.head_dim])), prefix + "q_norm.weight"),
-                     b.const([0, 0, -1]))
-            k = b.op("Reshape", ops.rms_norm(b.op("Reshape", k, b.const([0, 0, -1, c.head_dim])), prefix + "k_norm.weight"),
-                     b.const([0, 0, -1]))
-            out = b.op("GroupQueryAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k", "total_length",
-                       self.cos, self.sin, "", "", "", "", "", "", "", "query_seqlens",
-                       names=[b.name("attention"), keys, values], domain="com.microsoft", num_heads=c.num_attention_heads,
-                       kv_num_heads=c.num_key_value_heads, do_rotary=1, scale=float(c.head_dim ** -0.5))[0]
+            q = b.op(
+                "Reshape",
+                ops.rms_norm(b.op("Reshape", q, b.const([0, 0, -1, c.head_dim])), prefix + "q_norm.weight"),
+                b.const([0, 0, -1]),
+            )
+            k = b.op(
+                "Reshape",
+                ops.rms_norm(b.op("Reshape", k, b.const([0, 0, -1, c.head_dim])), prefix + "k_norm.weight"),
+                b.const([0, 0, -1]),
+            )
+            out = b.op(
+                "GroupQueryAttention",
+                q,
+                k,
+                v,
+                self.past[0][layer],
+                self.past[1][layer],
+                "seqlens_k",
+                "total_length",
+                self.cos,
+                self.sin,
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "query_seqlens",
+                names=[b.name("attention"), keys, values],
+                domain="com.microsoft",
+                num_heads=c.num_attention_heads,
+                kv_num_heads=c.num_key_value_heads,
+                do_rotary=1,
+                scale=float(c.head_dim**-0.5),
+            )[0]
             return b.op("GatherND", out, "token_rows")  # the T real rows
         q, k, v = ops.qkv(h, prefix, self.widths)
         q = ops.rope(ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight"), self.cos, self.sin)

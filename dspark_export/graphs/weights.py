@@ -22,8 +22,15 @@ from dspark_export.checkpoint import as_float32
 from dspark_export.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-               "int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
+ONNX_DTYPES = {
+    "float32": TensorProto.FLOAT,
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+    "int8": TensorProto.INT8,
+    "uint8": TensorProto.UINT8,
+    "int64": TensorProto.INT64,
+    "int32": TensorProto.INT32,
+}
 ALIGN = 64
 FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -92,7 +99,9 @@ class ExternalData:
     def add(self, name: str, array: np.ndarray, dtype: str) -> TensorProto:
         return self.add_chunks(name, array.shape, dtype, [np.ascontiguousarray(array)])
 
-    def add_chunks(self, name: str, shape: Sequence[int], dtype: str, chunks: Iterator[np.ndarray] | list) -> TensorProto:
+    def add_chunks(
+        self, name: str, shape: Sequence[int], dtype: str, chunks: Iterator[np.ndarray] | list
+    ) -> TensorProto:
         """A tensor written as consecutive chunks (its rows in order), never held whole."""
         padding = (-self.offset) % ALIGN
         self.handle.write(b"\0" * padding)
@@ -121,9 +130,17 @@ class Weights:
     build checks the widths first) or stays in float (a drafter's small heads, e.g. a Markov rank below the
     block size)."""
 
-    def __init__(self, read: Reader, store: ExternalData | None, dtype: str, weight_format: WeightFormat = WeightFormat(),
-                 progress: Callable[[int], None] | None = None, strict: bool = True,
-                 lender: "Weights | None" = None, borrowed: dict[str, str] | None = None):
+    def __init__(
+        self,
+        read: Reader,
+        store: ExternalData | None,
+        dtype: str,
+        weight_format: WeightFormat = WeightFormat(),
+        progress: Callable[[int], None] | None = None,
+        strict: bool = True,
+        lender: "Weights | None" = None,
+        borrowed: dict[str, str] | None = None,
+    ):
         """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
         name) are used from there, in its format and dtype, and stored once for both graphs."""
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
@@ -136,7 +153,9 @@ class Weights:
         import onnx
 
         lender = cls(read, None, dtype, weight_format)
-        lender.initializers = {t.name: t for t in onnx.load(str(graph_file), load_external_data=False).graph.initializer}
+        lender.initializers = {
+            t.name: t for t in onnx.load(str(graph_file), load_external_data=False).graph.initializer
+        }
         return lender
 
     def _borrow(self, b: GraphBuilder, x: str, name: str, emit: Callable[["Weights", str, str], str],
@@ -160,7 +179,9 @@ class Weights:
         if width % self.format.block_size == 0:
             return True
         if self.strict:
-            raise ConfigError(f"--quant-block-size {self.format.block_size} does not divide the input width {width} of {name}")
+            raise ConfigError(
+                f"--quant-block-size {self.format.block_size} does not divide the input width {width} of {name}"
+            )
         return False
 
     def _add(self, name: str, array: np.ndarray, dtype: str) -> str:
@@ -228,7 +249,9 @@ class Weights:
             def chunks() -> Iterator[np.ndarray]:
                 for array, stored in arrays:
                     for start in range(0, array.shape[0], step):
-                        codes, chunk_scales = quantize_rows(as_float32(array[start:start + step], stored), self.format.bits, block)
+                        codes, chunk_scales = quantize_rows(
+                            as_float32(array[start : start + step], stored), self.format.bits, block
+                        )
                         scales.append(chunk_scales)
                         yield codes
 

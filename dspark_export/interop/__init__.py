@@ -2,9 +2,11 @@
 (`DrafterSource`), and ours written out in the layouts vLLM and other engines load (`export`).
 
 Read: ours (`drafter_type` in config.json), DeepSpec's `Qwen3DSparkModel`, speculators' `dspark`, `dflash`
-and `eagle3` (0.9.0), z-lab's `DFlashDraftModel`, SpecForge's EAGLE-3 (`LlamaForCausalLMEagle3`). Target layers follow one convention inside DSpark: layer i is
-the output of decoder layer i (Hugging Face `hidden_states[i + 1]`), -1 the embeddings; speculators counts
-from the embeddings (its i is our i - 1), and the readers translate.
+and `eagle3` (0.9.0), z-lab's `DFlashDraftModel`, SpecForge's EAGLE-3 (`LlamaForCausalLMEagle3`).
+
+Target layers follow one convention inside DSpark: layer i is the output of decoder layer i (Hugging Face
+`hidden_states[i + 1]`), -1 the embeddings; speculators counts from the embeddings (its i is our i - 1), and
+the readers translate.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def open_drafter(folder: str | Path, config: Qwen3Config, checkpoint: Checkpoint
     if layout is None:
         kinds = raw.get("architectures") or raw.get("model_type") or "none"
         known = "; ".join(layout.DESCRIPTION for layout in LAYOUTS)
-        raise ConfigError(f"{folder / 'config.json'} names an unknown drafter architecture {kinds} (DSpark reads: {known})")
+        raise ConfigError(
+            f"{folder / 'config.json'} names an unknown drafter architecture {kinds} (DSpark reads: {known})"
+        )
     return layout.read(folder, raw, index_tensors(folder), Target(config, checkpoint, tokenizer))
 
 

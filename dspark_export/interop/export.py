@@ -73,11 +73,18 @@ def eagle3_to_speculators(source: DrafterSource, target: Checkpoint, verifier: s
     layers = drafter_layers_config(source)
     if not config.qk_norm:
         layers = layers | {"model_type": "llama"}
-    raw = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
-           "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layers,
-           "draft_vocab_size": config.drafted_vocab, "norm_before_residual": config.norm_before_residual,
-           "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in config.feature_layers],
-           "tie_word_embeddings": False, "speculators_config": speculators_config("eagle3", config.gamma, verifier)}
+    raw = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layers,
+        "draft_vocab_size": config.drafted_vocab,
+        "norm_before_residual": config.norm_before_residual,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in config.feature_layers],
+        "tie_word_embeddings": False,
+        "speculators_config": speculators_config("eagle3", config.gamma, verifier),
+    }
     head = source.read("lm_head.weight") if config.own_lm_head else target.raw(target.lm_head_name())
     return raw, with_vocabulary_map(source, own_tensors(source) | {"lm_head.weight": head})
 
@@ -89,7 +96,9 @@ def to_speculators(source: DrafterSource, target: Checkpoint, verifier: str) -> 
     if config.own_embedding:
         raise ConfigError("speculators drafters read the verifier's embedding; this drafter has its own")
     if config.own_lm_head and config.draft_vocab_size is None:
-        raise ConfigError("speculators stores an LM head only with a draft vocabulary; this drafter has its own full one")
+        raise ConfigError(
+            "speculators stores an LM head only with a draft vocabulary; this drafter has its own full one"
+        )
     kind = "dspark" if config.head != "none" or config.confidence else "dflash"
     raw = {
         "architectures": ["DSparkDraftModel" if kind == "dspark" else "DFlashDraftModel"],

@@ -85,7 +85,9 @@ def check_geometry(drafter: dict[str, Any], target: Target, where: Path) -> int:
         raise ConfigError(f"the drafter in {where} uses other rotary embeddings (theta {theta}) than the target "
                           f"({t.rope_theta}, {t.rope_type})")
     if any(kind != "full_attention" for kind in drafter.get("layer_types") or ()):
-        raise ConfigError(f"the drafter in {where} has sliding-window layers; DSpark's drafters attend to the whole context")
+        raise ConfigError(
+            f"the drafter in {where} has sliding-window layers; DSpark's drafters attend to the whole context"
+        )
     if drafter.get("attention_bias"):
         raise ConfigError(f"the drafter in {where} has attention biases, which Qwen3 drafters do not")
     return int(drafter.get("intermediate_size") or t.intermediate_size)
@@ -125,7 +127,9 @@ def _same_as_target(info: TensorInfo, target: Target, name: str) -> bool:
     if target.checkpoint is None:
         return False
     checkpoint = target.checkpoint
-    theirs = checkpoint.tensors.get("model.embed_tokens.weight" if name == "embed_tokens.weight" else checkpoint.lm_head_name())
+    theirs = checkpoint.tensors.get(
+        "model.embed_tokens.weight" if name == "embed_tokens.weight" else checkpoint.lm_head_name()
+    )
     if theirs is None or theirs.shape != info.shape or theirs.dtype != info.dtype:
         return False
     mine, other = tensor_view(info), tensor_view(theirs)

@@ -27,19 +27,25 @@ def matches(raw: dict) -> bool:
 def read(folder: Path, raw: dict, tensors: dict[str, TensorInfo], target: Target) -> DrafterSource:
     kind, file = raw["speculators_model_type"], folder / "config.json"
     if kind not in KINDS:
-        raise ConfigError(f"{file}: speculators model type {kind!r} is not one DSpark runs (it runs {', '.join(KINDS)})")
+        raise ConfigError(
+            f"{file}: speculators model type {kind!r} is not one DSpark runs (it runs {', '.join(KINDS)})"
+        )
     if raw.get("target_hidden_size") not in (None, target.config.hidden_size):
         raise ConfigError(f"the drafter in {folder} expects target features of width {raw['target_hidden_size']}")
     if kind == "eagle3":
         return read_eagle3(folder, raw, tensors, target)
     layers, ids = raw.get("transformer_layer_config"), raw.get("aux_hidden_state_layer_ids")
     if not isinstance(layers, dict) or not ids or "block_size" not in raw or raw.get("mask_token_id") is None:
-        raise ConfigError(f"{file} lacks transformer_layer_config, aux_hidden_state_layer_ids, block_size or mask_token_id")
+        raise ConfigError(
+            f"{file} lacks transformer_layer_config, aux_hidden_state_layer_ids, block_size or mask_token_id"
+        )
     anchor_first = bool(raw.get("sample_from_anchor", kind == "dspark"))
     rank = int(raw.get("markov_rank", 256)) if kind == "dspark" else 0
     head = "none" if rank == 0 else HEAD_TYPES.get(raw.get("markov_head_type", "vanilla"))
     if head is None:
-        raise ConfigError(f"unknown markov_head_type {raw.get('markov_head_type')!r} in {file} (known: {', '.join(HEAD_TYPES)})")
+        raise ConfigError(
+            f"unknown markov_head_type {raw.get('markov_head_type')!r} in {file} (known: {', '.join(HEAD_TYPES)})"
+        )
     confidence = kind == "dspark" and bool(raw.get("enable_confidence_head", True))
     fields = dict(
         drafter_type="dspark" if head != "none" or confidence else "dflash", mask_token_id=int(raw["mask_token_id"]),
@@ -63,10 +69,19 @@ def read_eagle3(folder: Path, raw: dict, tensors: dict[str, TensorInfo], target:
     if int(layers.get("num_hidden_layers", 1)) != 1:
         raise ConfigError(f"the EAGLE-3 drafter in {folder} has {layers['num_hidden_layers']} layers; DSpark runs one")
     proposals = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    fields = dict(drafter_type="eagle3", mask_token_id=0, num_layers=1,
-                  gamma=int(proposals[0].get("speculative_tokens", DEFAULT_GAMMA)),
-                  feature_layers=eagle3_layers(raw.get("eagle_aux_hidden_state_layer_ids"), target.config.num_hidden_layers),
-                  head="none", markov_rank=0, confidence=False, qk_norm=layers.get("model_type") == "qwen3",
-                  norm_before_residual=bool(raw.get("norm_before_residual")),
-                  intermediate_size=check_geometry(layers, target, folder))
-    return imported(folder, "speculators", fields, tensors, target, int(layers.get("vocab_size", target.config.vocab_size)))
+    fields = dict(
+        drafter_type="eagle3",
+        mask_token_id=0,
+        num_layers=1,
+        gamma=int(proposals[0].get("speculative_tokens", DEFAULT_GAMMA)),
+        feature_layers=eagle3_layers(raw.get("eagle_aux_hidden_state_layer_ids"), target.config.num_hidden_layers),
+        head="none",
+        markov_rank=0,
+        confidence=False,
+        qk_norm=layers.get("model_type") == "qwen3",
+        norm_before_residual=bool(raw.get("norm_before_residual")),
+        intermediate_size=check_geometry(layers, target, folder),
+    )
+    return imported(
+        folder, "speculators", fields, tensors, target, int(layers.get("vocab_size", target.config.vocab_size))
+    )
