@@ -1,9 +1,11 @@
 """Each request's random numbers, keyed by the position they decide (a counter-based generator, SplitMix64):
 the uniform that accepts or rejects the draft at position p, the one that draws the token emitted at p, and
 the one a draft for p is sampled with depend only on the request's seed and p. How the engine batched the
-request, or how many drafts it verified before p, does not change which number decides p, so a seed gives
-the same text in `off` and `fixed:K` whatever else is running (as long as the models compute the same
-probabilities)."""
+request, or what else ran beside it, does not change which number decides p, so a seed gives the same text
+for the same prompt, parameters and `off` or `fixed:K` mode whatever else is running (as long as the models
+compute the same probabilities). Modes differ in which numbers they use at p (a verified draft, or a plain
+draw), so `off` and `fixed:K` give different samples of the same distribution; `sync`/`async` choose how many
+drafts to verify from the load, so a seed does not fix their text."""
 
 from __future__ import annotations
 

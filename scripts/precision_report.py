@@ -27,7 +27,8 @@ def run_graph(engine: Path, ids: list[int]) -> np.ndarray:
     from dspark_runtime.engine_dir import read_manifest
 
     graph, _ = open_graphs(engine, read_manifest(engine), "ort")
-    batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids)), np.zeros(1), np.arange(len(ids)))
+    batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
+                        np.arange(len(ids)))
     return graph.run(batch.feeds(graph.io))["logits"]
 
 

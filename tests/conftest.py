@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # CLI commands run in the test process: keep per-session thread pools, which other tests' sessions need
@@ -105,3 +106,108 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
         curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
         (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))
     return engine_dir
+
+
+# ---- losslessness: the target graph's exact joint of the first two tokens, and sampled pairs against it ----
+
+from dspark_runtime import SamplingParams  # noqa: E402
+from dspark_runtime.backend import open_graphs  # noqa: E402
+from dspark_runtime.batches import TargetBatch  # noqa: E402
+from dspark_runtime.engine_dir import read_manifest  # noqa: E402
+from dspark_runtime.sampling import target_rows  # noqa: E402
+
+SAMPLES = 3000
+
+
+def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
+    """The target graph's own distribution of the first two tokens: a prefill of the prompt, then of each
+    continuation the first token can take."""
+    target, _ = open_graphs(engine_dir, read_manifest(engine_dir), "ort", threads=1)
+    slots = read_manifest(engine_dir).cache_slots
+
+    def last_logits(ids: list[int]) -> np.ndarray:
+        batch = TargetBatch(
+            np.asarray(ids),
+            np.arange(len(ids)),
+            np.zeros(len(ids), np.int64),
+            np.zeros(slots, np.int64),
+            np.asarray([len(ids) - 1]),
+        )
+        return target.run(batch.feeds(target.io))["logits"]
+
+    first = target_rows(last_logits(prompt_ids), np.asarray(prompt_ids), np.zeros(0, np.int64), params)[0]
+    joint = {}
+    for y1 in np.flatnonzero(first):
+        ids = prompt_ids + [int(y1)]
+        second = target_rows(last_logits(ids), np.asarray(ids), np.zeros(0, np.int64), params)[0]
+        for y2 in np.flatnonzero(second):
+            joint[(int(y1), int(y2))] = first[y1] * second[y2]
+    return joint
+
+
+def sample_pairs(engine, prompt_ids, params, spec, rounds: list[int] | None = None) -> dict[tuple[int, int], int]:
+    """Counts of the first two generated tokens over SAMPLES seeds (and each request's verification rounds)."""
+    requests = [
+        engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec)
+        for seed in range(SAMPLES)
+    ]
+    counts: dict[tuple[int, int], int] = {}
+    for request in requests:
+        result = request.result()
+        pair = tuple(result.token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+        if rounds is not None:
+            rounds.append(result.stats["rounds"])
+    return counts
+
+
+def p_value(counts, joint) -> float:
+    """Chi-square p-value of the sampled pair counts against the exact joint (sparse bins merged; 0 for any pair
+    the target cannot produce)."""
+    keys = sorted(joint, key=lambda k: -joint[k])
+    expected = np.array([joint[k] for k in keys]) * SAMPLES
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    outside = SAMPLES - observed.sum()  # pairs the target can never produce
+    if outside > 0:
+        return 0.0
+    small = expected < 5  # merge sparse bins
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        observed = np.append(observed[~small], observed[small].sum())
+    from scipy import stats
+
+    return stats.chisquare(observed, expected).pvalue
+
+
+def drafter_feeds(reference, source, temperature: float, slots: int = 2, rows: int = 16) -> dict[str, np.ndarray]:
+    """Drafter-graph inputs for the two requests of an interop fixture's `reference.npz`, at once: request r in
+    slot r, all of its context new; caches of `slots` x `rows` positions."""
+    config, target = source.config, source.config.target_config
+    contexts = [reference[f"features_{r}"] for r in range(2)]
+    shape = (slots, target.num_key_value_heads, rows, target.head_dim)
+    return (
+        {
+            "context_features": np.concatenate(contexts),
+            "cache_len": np.zeros(slots, np.int64),
+            "context_slot": np.concatenate([np.full(len(c), r) for r, c in enumerate(contexts)]).astype(np.int64),
+            "context_pos": np.concatenate([np.arange(len(c)) for c in contexts]).astype(np.int64),
+            "anchor_ids": reference["anchors"].astype(np.int64),
+            "anchor_pos": np.array([len(c) for c in contexts]),
+            "request_slot": np.arange(2),
+            "noise": reference["noise"][:, : config.gamma],
+            "temperature": np.full(2, temperature, np.float32),
+        }
+        | {
+            f"past_{kind}_{layer}": np.zeros(shape, np.float32)
+            for kind in ("key", "value")
+            for layer in range(config.num_layers)
+        }
+        | (
+            {
+                "context_ids": np.concatenate([reference[f"context_ids_{r}"] for r in range(2)]).astype(np.int64),
+                "context_last": np.cumsum([len(c) for c in contexts]) - 1,
+            }
+            if config.drafter_type == "eagle3"
+            else {}
+        )
+    )

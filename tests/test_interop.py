@@ -19,6 +19,7 @@ from dspark_export.checkpoint import Checkpoint
 from dspark_export.config import Qwen3Config
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.interop import open_drafter
+from tests.conftest import drafter_feeds
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 TARGET = FIXTURES / "target"
@@ -79,44 +80,10 @@ CASES = {  # case -> (layout, our view of its layout)
         ),
     ),
 }
-SLOTS, LMAX = 2, 16
 
 
 def checkpoint() -> Checkpoint:
     return Checkpoint(TARGET, Qwen3Config.from_dir(TARGET))
-
-
-def feeds(reference, source, temperature: float) -> dict[str, np.ndarray]:
-    """Both requests at once: request r in slot r, all of its context new."""
-    config, target = source.config, source.config.target_config
-    contexts = [reference[f"features_{r}"] for r in range(2)]
-    shape = (SLOTS, target.num_key_value_heads, LMAX, target.head_dim)
-    return (
-        {
-            "context_features": np.concatenate(contexts),
-            "cache_len": np.zeros(SLOTS, np.int64),
-            "context_slot": np.concatenate([np.full(len(c), r) for r, c in enumerate(contexts)]).astype(np.int64),
-            "context_pos": np.concatenate([np.arange(len(c)) for c in contexts]).astype(np.int64),
-            "anchor_ids": reference["anchors"].astype(np.int64),
-            "anchor_pos": np.array([len(c) for c in contexts]),
-            "request_slot": np.arange(2),
-            "noise": reference["noise"][:, : config.gamma],
-            "temperature": np.full(2, temperature, np.float32),
-        }
-        | {
-            f"past_{kind}_{layer}": np.zeros(shape, np.float32)
-            for kind in ("key", "value")
-            for layer in range(config.num_layers)
-        }
-        | (
-            {
-                "context_ids": np.concatenate([reference[f"context_ids_{r}"] for r in range(2)]).astype(np.int64),
-                "context_last": np.cumsum([len(c) for c in contexts]) - 1,
-            }
-            if config.drafter_type == "eagle3"
-            else {}
-        )
-    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -137,7 +104,7 @@ def test_onnx_drafter_matches_the_reference(tmp_path, case, greedy_shortcut):
     session = ort.InferenceSession(str(graph))
     outputs = ["draft_tokens", "draft_probs"] + (["confidence_logits"] if source.config.confidence else [])
     for tag, temperature in (("greedy", 0.0), ("sampled", float(reference["temperature"]))):
-        run_feeds = feeds(reference, source, temperature)
+        run_feeds = drafter_feeds(reference, source, temperature)
         names = {i.name for i in session.get_inputs()}
         got = dict(zip(outputs, session.run(outputs, {k: v for k, v in run_feeds.items() if k in names})))
         got = {name: value[:, : int(reference["gamma"])] for name, value in got.items()}  # SpecForge: γ is ours to pick

@@ -19,7 +19,7 @@ from dspark_export.config import Qwen3Config
 from dspark_export.drafters.bundled import resolve_drafter
 from dspark_export.presets import resolve_target
 from dspark_runtime import Engine, SamplingParams
-from tests.conftest import TEXT
+from tests.conftest import SAMPLES, TEXT, drafter_feeds, exact_joint, p_value, sample_pairs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 PROMPTS = ["def add(a, b):", "The answer is", "Hello there"]
@@ -126,8 +126,6 @@ def test_engine_with_an_imported_drafter_is_lossless(target, tmp_path, drafter):
     """Random drafters with draft vocabularies (speculators' 1+N block with an RNN head over 48 tokens; SpecForge's
     EAGLE-3 over 40): greedy output equals the target alone, sampled pairs of tokens follow the target's own
     distribution."""
-    from tests.test_lossless_sampling import SAMPLES, exact_joint, p_value, sample_pairs
-
     engine_dir = build_engine(resolve_target(None, target), tmp_path / "engine", FIXTURES / drafter, drafter,
                               cache_slots=8, max_context=64, show_progress=False)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -234,13 +232,11 @@ def test_a_vocabulary_padded_past_the_target_is_accepted(target, tmp_path):
     tokenizer = ChatTokenizer.from_dir(target)
     import onnxruntime as ort
 
-    from tests.test_interop import feeds
-
     reference = np.load(FIXTURES / "deepspec-gated" / "reference.npz")
     for name, folder in (("narrow", FIXTURES / "deepspec-gated"), ("wide", wide)):
         source = open_drafter(folder, config, checkpoint, tokenizer)
         graph = build_drafter_onnx(source, checkpoint, tmp_path / name / "drafter.onnx")
-        tokens, probs = ort.InferenceSession(str(graph)).run(["draft_tokens", "draft_probs"],
-                                                             feeds(reference, source, float(reference["temperature"])))
+        feeds = drafter_feeds(reference, source, float(reference["temperature"]))
+        tokens, probs = ort.InferenceSession(str(graph)).run(["draft_tokens", "draft_probs"], feeds)
         assert tokens.tolist() == reference["sampled_tokens"].tolist(), name
         np.testing.assert_allclose(probs, reference["sampled_probs"], atol=1e-4)

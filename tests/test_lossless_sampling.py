@@ -9,21 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 from dspark_runtime import Engine, SamplingParams
-from dspark_runtime.backend import open_graphs
-from dspark_runtime.batches import TargetBatch
-from dspark_runtime.engine_dir import read_manifest
-from dspark_runtime.sampling import target_rows
 
 torch = pytest.importorskip("torch")
-scipy_stats = pytest.importorskip("scipy.stats")
+pytest.importorskip("scipy.stats")
 
-from tests.conftest import build_echo_engine  # noqa: E402
+from tests.conftest import SAMPLES, build_echo_engine, exact_joint, p_value, sample_pairs  # noqa: E402
 
-SAMPLES = 3000
 # three tokens, so that the second is produced by verifying a draft (a last token needs no draft)
 SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
             "T1-topp0.9": SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, ignore_eos=True),
@@ -35,62 +29,6 @@ def skewed_engine_dir(tmp_path_factory, request):
     """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p."""
     return build_echo_engine(tmp_path_factory.mktemp(f"skewed-{request.param}"), markov_scale=0.3, embedding_scale=5.0,
                              weights=request.param)
-
-
-def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
-    """The target graph's own distribution of the first two tokens: a prefill of the prompt, then of each
-    continuation the first token can take."""
-    target, _ = open_graphs(engine_dir, read_manifest(engine_dir), "ort", threads=1)
-    slots = read_manifest(engine_dir).cache_slots
-
-    def last_logits(ids: list[int]) -> np.ndarray:
-        batch = TargetBatch(
-            np.asarray(ids),
-            np.arange(len(ids)),
-            np.zeros(len(ids), np.int64),
-            np.zeros(slots, np.int64),
-            np.asarray([len(ids) - 1]),
-        )
-        return target.run(batch.feeds(target.io))["logits"]
-
-    first = target_rows(last_logits(prompt_ids), np.asarray(prompt_ids), np.zeros(0, np.int64), params)[0]
-    joint = {}
-    for y1 in np.flatnonzero(first):
-        ids = prompt_ids + [int(y1)]
-        second = target_rows(last_logits(ids), np.asarray(ids), np.zeros(0, np.int64), params)[0]
-        for y2 in np.flatnonzero(second):
-            joint[(int(y1), int(y2))] = first[y1] * second[y2]
-    return joint
-
-
-def sample_pairs(engine, prompt_ids, params, spec, rounds: list[int] | None = None) -> dict[tuple[int, int], int]:
-    """Counts of the first two generated tokens over SAMPLES seeds (and each request's verification rounds)."""
-    requests = [
-        engine.submit(prompt_ids, SamplingParams(**{**params.__dict__, "seed": seed}), spec=spec)
-        for seed in range(SAMPLES)
-    ]
-    counts: dict[tuple[int, int], int] = {}
-    for request in requests:
-        result = request.result()
-        pair = tuple(result.token_ids[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-        if rounds is not None:
-            rounds.append(result.stats["rounds"])
-    return counts
-
-
-def p_value(counts, joint) -> float:
-    keys = sorted(joint, key=lambda k: -joint[k])
-    expected = np.array([joint[k] for k in keys]) * SAMPLES
-    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    outside = SAMPLES - observed.sum()  # pairs the target can never produce
-    if outside > 0:
-        return 0.0
-    small = expected < 5  # merge sparse bins
-    if small.any():
-        expected = np.append(expected[~small], expected[small].sum())
-        observed = np.append(observed[~small], observed[small].sum())
-    return scipy_stats.chisquare(observed, expected).pvalue
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
