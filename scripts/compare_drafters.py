@@ -1,0 +1,123 @@
+"""Drafters compared the way users choose: end-to-end speed, one engine per drafter, in one run.
+
+    python scripts/compare_drafters.py demo-dspark demo-eagle3 demo-dflash --limit 10 --repeats 3 --work build/compare
+
+For each drafter (a folder or bundled name, any layout `build` reads): an engine for the demo target at
+`--weights`, its speed curve (measured on first load), and for drafters with a confidence head an STS fit per
+temperature on held-out prompts the benchmark does not use (the prompts after the first `--limit` of each
+domain). Then, per temperature and domain, the first `--limit` prompts through `off`, `fixed:K` for each K of
+`--fixed` and `async` (`--repeats` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
+temperature: τ and the drafter's share of a step at `fixed:γ`, the best `fixed:K` and `async` in tokens/s and
+against `off`, per domain and macro-averaged over the domains; `--json FILE` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DOMAINS = ("code", "math", "chat")
+
+
+def bench_drafter(name: str, args) -> dict:
+    """{temperature: {domain: {mode: figures}}} for one drafter."""
+    from dspark_export.build import build_engine
+    from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.graphs.weights import WeightFormat
+    from dspark_export.presets import resolve_target
+    from dspark_runtime import Engine, SamplingParams
+    from dspark_runtime.bench import run_benchmark
+    from dspark_runtime.calibrate import calibrate
+    from dspark_runtime.prompts import demo_prompts_path, read_prompts
+
+    folder = args.work / Path(name).name
+    if not (folder / "manifest.json").is_file():
+        build_engine(resolve_target("demo"), folder, resolve_drafter(name), Path(name).name, show_progress=False,
+                     weights=WeightFormat(args.weights))
+    rows = read_prompts(demo_prompts_path())
+    by_domain = {d: [r for r in rows if r.get("domain") == d] for d in DOMAINS}
+    held_out = [r for d in DOMAINS for r in by_domain[d][args.limit:]]
+    figures: dict = {}
+    with Engine.load(folder, threads=args.threads) as engine:
+        gamma = engine.gamma
+        if engine.manifest.drafter.get("confidence"):
+            for temperature in args.temperatures:
+                params = SamplingParams(max_tokens=256, temperature=temperature)
+                calibrate(engine, held_out, params, plot=False)
+        modes = ["off", *(f"fixed:{k}" for k in args.fixed if k <= gamma), "async"]
+        for temperature in args.temperatures:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True)
+            for domain in DOMAINS:
+                report = run_benchmark(engine, by_domain[domain][: args.limit], modes, [1], params,
+                                       repeats=args.repeats)
+                figures.setdefault(temperature, {})[domain] = {r["mode"]: r for r in report["results"]}
+                print(f"{name} T={temperature:g} {domain}: " + ", ".join(
+                    f"{r['mode']} {r['tokens_per_s']:.0f}" for r in report["results"]), file=sys.stderr)
+    return {"gamma": gamma, "by_temperature": figures}
+
+
+def summarize(results: dict) -> dict:
+    """Per drafter and temperature: per domain and macro, τ and drafter share at fixed:γ, best fixed:K, async."""
+    table = {}
+    for name, result in results.items():
+        gamma = result["gamma"]
+        for temperature, domains in result["by_temperature"].items():
+            rows = {}
+            for domain, modes in domains.items():
+                fixed = {m: r for m, r in modes.items() if m.startswith("fixed:")}
+                best = max(fixed, key=lambda m: fixed[m]["ratio_to_off"])
+                full = fixed.get(f"fixed:{gamma}", fixed[best])
+                rows[domain] = {"tau": full["tau"], "drafter_share": full["drafter_share_of_step_time"],
+                                "off": modes["off"]["tokens_per_s"], "best_fixed": best,
+                                "best_fixed_tokens_per_s": fixed[best]["tokens_per_s"],
+                                "best_fixed_ratio": fixed[best]["ratio_to_off"],
+                                "async_tokens_per_s": modes["async"]["tokens_per_s"],
+                                "async_ratio": modes["async"]["ratio_to_off"]}
+            macro = {key: float(np.mean([row[key] for row in rows.values()])) for key in rows[DOMAINS[0]]
+                     if key != "best_fixed"}
+            table.setdefault(temperature, {})[name] = {"domains": rows, "macro": macro}
+    return table
+
+
+def markdown(table: dict) -> str:
+    lines = []
+    for temperature, drafters in table.items():
+        lines += [f"\nT={temperature:g} (macro over {', '.join(DOMAINS)}; per domain: best mode tok/s)\n",
+                  "| drafter | τ at fixed:γ | drafter share | best fixed:K tok/s (x off) | async tok/s (x off) | "
+                  + " | ".join(DOMAINS) + " |", "|---|---|---|---|---|" + "---|" * len(DOMAINS)]
+        for name, row in drafters.items():
+            m = row["macro"]
+            best = [max(d["best_fixed_tokens_per_s"], d["async_tokens_per_s"]) for d in row["domains"].values()]
+            lines.append(f"| {name} | {m['tau']:.2f} | {m['drafter_share']:.2f} | {m['best_fixed_tokens_per_s']:.0f} "
+                         f"({m['best_fixed_ratio']:.2f}x) | {m['async_tokens_per_s']:.0f} ({m['async_ratio']:.2f}x) | "
+                         + " | ".join(f"{b:.0f}" for b in best) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("drafters", nargs="+")
+    parser.add_argument("--weights", default="fp32", choices=["fp32", "int8", "int4"])
+    parser.add_argument("--limit", type=int, default=10, help="benchmark prompts per domain")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])
+    parser.add_argument("--fixed", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 3, 5, 7])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--work", type=Path, default=Path("build/compare"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = {Path(name).name: bench_drafter(name, args) for name in args.drafters}
+    table = summarize(results)
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                         "table": table}, indent=1))
+    print(markdown(table))
+
+
+if __name__ == "__main__":
+    main()
