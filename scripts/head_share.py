@@ -1,88 +1,99 @@
-"""The sequential and confidence heads' share of one DSpark draft forward (paper: 0.2-1.3%).
+"""The sequential and confidence heads' share of one DSpark draft call (paper: 0.2-1.3% of a draft forward).
 
-    python scripts/head_share.py --drafter demo-dspark [--context 256] [--requests 1,8] [--repeats 50]
+    python scripts/head_share.py --drafter demo-dspark [--requests 1,8] [--context 256] [--new 4] [--repeats 50]
 
-Times, in torch on this CPU, the parts of drafting γ tokens for R requests: the parallel part (feature
-fusion, backbone over the gamma, LM head), the heads (γ sequential-head steps and the confidence head),
-and sampling (the same for every drafter). Medians of `--repeats` runs, single-threaded for stable numbers.
+Builds the drafter's ONNX graph as an engine would (`--weights`, int8 by default; the CPU graph's greedy
+shortcut) and the same graph with both heads removed (the DFlash graph over the same backbone), then times one
+draft call of each for R requests, each with `--context` positions already cached and `--new` new context rows
+(the accepted tokens of the last round), at T=0 and T=1. The heads' share is (with - without) / with. Medians of
+`--repeats` calls on the engine's thread count.
 """
 
 from __future__ import annotations
 
 import argparse
-import torch
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
 
-from dspark_calibration.timing import median_seconds
+import numpy as np
 
 
-def median_ms(fn, repeats: int) -> float:
-    return 1e3 * median_seconds(fn, repeats)
+def draft_feeds(config, requests: int, context: int, new: int, temperature: float) -> dict[str, np.ndarray]:
+    target = config.target_config
+    rng = np.random.default_rng(0)
+    rows = requests * new
+    shape = (requests, target.num_key_value_heads, context + new + config.block_rows, target.head_dim)
+    width = target.hidden_size * len(config.feature_layers)
+    caches = {f"past_{kind}_{layer}": np.zeros(shape, np.float32) for kind in ("key", "value")
+              for layer in range(config.num_layers)}
+    return caches | {
+        "context_features": rng.standard_normal((rows, width)).astype(np.float32),
+        "context_slot": np.repeat(np.arange(requests), new),
+        "context_pos": np.tile(np.arange(context, context + new), requests),
+        "anchor_ids": rng.integers(4, target.vocab_size, requests), "anchor_pos": np.full(requests, context + new),
+        "request_slot": np.arange(requests), "cache_len": np.full(requests, context),
+        "noise": rng.uniform(0, 1, (requests, config.gamma)).astype(np.float32),
+        "temperature": np.full(requests, temperature, np.float32),
+    }
 
 
-@torch.no_grad()
-def measure(drafter, context: int, requests: int, repeats: int) -> dict:
-    from dspark_export.drafters.block_drafter import pick
-
-    config, target = drafter.config, drafter.config.target_config
-    gamma, hidden_size = config.gamma, target.hidden_size
-    features = torch.randn(requests, context, hidden_size * len(config.feature_layers))
-    ids = torch.full((requests, gamma), config.mask_token_id)
-    positions = torch.arange(context, context + gamma).expand(requests, gamma)
-    mask = torch.ones(requests, 1, gamma, context + gamma, dtype=torch.bool)
-    context_positions = torch.arange(context).expand(requests, context)
-    previous = torch.randint(4, target.vocab_size, (requests,))
-    hidden = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
-    base = drafter.lm_head(hidden)
-    noise = torch.rand(requests, gamma)
-
-    def parallel():
-        out = drafter.backbone(ids, positions, drafter.fuse(features), context_positions, mask)
-        drafter.lm_head(out)
-
-    def heads():
-        state = None
-        for k in range(gamma):
-            _, code, state = drafter.markov_head.step(hidden[:, k], previous, state)
-            drafter.confidence_logits(hidden[:, k], code)
-
-    def sampling():
-        for k in range(gamma):
-            pick(base[:, k], 1.0, noise[:, k])
-
-    parts = {"parallel_ms": median_ms(parallel, repeats), "heads_ms": median_ms(heads, repeats),
-             "sampling_ms": median_ms(sampling, repeats)}
-    total = sum(parts.values())
-    return {"requests": requests, "context": context, **{k: round(v, 3) for k, v in parts.items()},
-            "heads_share_of_draft": round(parts["heads_ms"] / total, 4),
-            "heads_share_of_parallel_part": round(parts["heads_ms"] / parts["parallel_ms"], 4)}
+def median_ms(session, feeds: dict, repeats: int) -> float:
+    names = {i.name for i in session.get_inputs()}
+    feeds = {k: v for k, v in feeds.items() if k in names}
+    session.run(None, feeds)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - started)
+    return 1e3 * float(np.median(times))
 
 
 def main() -> None:
-    import json
+    import onnxruntime as ort
 
-    from dspark_export.loading import load_drafters, load_target
+    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.graphs.drafter import build_drafter_onnx
+    from dspark_export.graphs.weights import WeightFormat
+    from dspark_export.interop import open_drafter
     from dspark_export.presets import resolve_target
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default="demo-dspark")
     parser.add_argument("--target", default="demo")
+    parser.add_argument("--weights", default="int8", choices=["fp32", "int8", "int4"])
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--new", type=int, default=4)
     parser.add_argument("--requests", default="1,8")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
     spec = resolve_target(args.target)
-    model, tokenizer = load_target(spec)
-    drafter = load_drafters(spec, model, tokenizer, [args.drafter])[args.drafter]
-    if drafter.config.head == "none":
-        raise SystemExit(f"{args.drafter} has no sequential head")
-    for requests in (int(r) for r in args.requests.split(",")):
-        print(
-            json.dumps(
-                {"drafter": args.drafter, "head": drafter.config.head}
-                | measure(drafter, args.context, requests, args.repeats)
-            )
-        )
+    checkpoint = Checkpoint(spec.require_path(), spec.config)
+    source = open_drafter(resolve_drafter(args.drafter), spec.config, checkpoint)
+    if source.config.head == "none" and not source.config.confidence:
+        raise SystemExit(f"{args.drafter} has no heads")
+    headless = replace(source, config=replace(source.config, drafter_type="dflash", head="none", confidence=False))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    with tempfile.TemporaryDirectory() as work:
+        weights = WeightFormat(args.weights)
+        variants = (("with", source), ("without", headless))
+        graphs = {name: build_drafter_onnx(s, checkpoint, Path(work) / name / "drafter.onnx", weights,
+                                           greedy_shortcut=True) for name, s in variants}
+        sessions = {name: ort.InferenceSession(str(graph), options) for name, graph in graphs.items()}
+        for requests in (int(r) for r in args.requests.split(",")):
+            for temperature in (0.0, 1.0):
+                feeds = draft_feeds(source.config, requests, args.context, args.new, temperature)
+                ms = {name: median_ms(session, feeds, args.repeats) for name, session in sessions.items()}
+                print(json.dumps({"drafter": args.drafter, "head": source.config.head, "requests": requests,
+                                  "temperature": temperature, "with_heads_ms": round(ms["with"], 3),
+                                  "without_heads_ms": round(ms["without"], 3),
+                                  "heads_share": round((ms["with"] - ms["without"]) / ms["with"], 4)}))
 
 
 if __name__ == "__main__":
