@@ -6,6 +6,7 @@ complete (`staging.staged`), so an interrupted build never leaves a folder that 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.graphs.target import attention_for, build_target_onnx
 from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights
 from dspark_export.interop import open_drafter
+from dspark_export.interop.source import DrafterSource
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
@@ -83,13 +85,24 @@ def check_options(config: Qwen3Config, backend: str, dtype: str, weights: Weight
             raise DSparkError(f"--quant-block-size {weights.block_size} does not divide the input width {bad[0]}")
 
 
+def with_gamma(source: DrafterSource | None, gamma: int) -> DrafterSource:
+    """`source` drafting `gamma` tokens a round: EAGLE-3 unrolls any number of steps; a block drafter's block is
+    the γ it was trained with (draft fewer at run time with `--spec fixed:K`)."""
+    if source is None or source.config.drafter_type != "eagle3":
+        kind = "no drafter" if source is None else f"a {source.config.drafter_type} drafter"
+        raise DSparkError(f"--gamma sets an EAGLE-3 drafter's steps per round; {kind} cannot change it (a block "
+                          "drafter drafts the γ it was trained with: use --spec fixed:K at run time)")
+    return dataclasses.replace(source, config=dataclasses.replace(source.config, gamma=gamma))
+
+
 def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
                  backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
                  max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True,
                  weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,
-                 kv_memory: int | None = None) -> Path:
+                 kv_memory: int | None = None, gamma: int | None = None) -> Path:
     """Write the engine directory `out`; returns it. `weights` default to the dtype's float format; the drafter's
-    to int8 on ONNX Runtime and fp32 on TensorRT. The context defaults to what `kv_memory` holds."""
+    to int8 on ONNX Runtime and fp32 on TensorRT. The context defaults to what `kv_memory` holds. `gamma` unrolls
+    an EAGLE-3 drafter that many steps a round instead of the γ it was trained with."""
     backend = resolve_backend(backend)
     weights = weights or float_weights(dtype)
     check_options(spec.config, backend, dtype, weights, drafter_weights)
@@ -101,6 +114,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     checkpoint = Checkpoint(folder, spec.config)
     tokenizer = ChatTokenizer.from_dir(folder)
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
+    if gamma is not None:
+        source = with_gamma(source, gamma)
     drafter_config = source and source.config
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
     gamma = drafter_config.gamma if drafter_config else 0

@@ -153,6 +153,9 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
     show_default=True,
     help="Precision of the written weights (the bundled drafters use bfloat16).",
 )
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores; 1 lets runs share)."
+)
 def train(
     target,
     target_path,
@@ -170,6 +173,7 @@ def train(
     lr,
     until,
     save_dtype,
+    threads,
 ) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
 
@@ -193,7 +197,7 @@ def train(
     drafter = build_drafter(config)
     attach_target(drafter, model)
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
-    train_drafter(drafter, model, Sequences.load(*data), Path(out + ".run"), cfg, until=until)
+    train_drafter(drafter, model, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
     if until is None or until >= steps:
         save_drafter(drafter, out, save_dtype)
         click.echo(f"drafter written to {out}")
@@ -270,6 +274,10 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
     help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).",
 )
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--gamma", type=click.IntRange(min=1), default=None,
+    help="EAGLE-3 drafters: steps unrolled per round (default: the γ it was trained with).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(
     target,
@@ -287,6 +295,7 @@ def build(
     kv_memory,
     drafter_weights,
     max_batch_tokens,
+    gamma,
     force,
 ) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
@@ -322,6 +331,7 @@ def build(
         weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
         drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
         kv_memory=parse_size(kv_memory, "--kv-memory"),
+        gamma=gamma,
     )
     click.echo(f"engine written to {engine}")
 

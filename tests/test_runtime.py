@@ -292,17 +292,19 @@ def test_a_full_context_finishes_with_length(engine):
     assert result.prompt_tokens + len(result.token_ids) == 65
 
 
-def test_eagle3_engine_is_lossless_batched(tmp_path):
-    """The EAGLE-3 baseline's step graph runs in the same loop (its entries pair features with next tokens)."""
+@pytest.mark.parametrize("gamma", [None, 5])
+def test_eagle3_engine_is_lossless_batched(tmp_path, gamma):
+    """The EAGLE-3 baseline's step graph runs in the same loop (its entries pair features with next tokens);
+    built with another γ, it unrolls that many steps."""
     target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)
     train_tokenizer(TEXT, target, vocab_size=300)
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "eagle3", cache_slots=4,
-                          max_batch_tokens=32, show_progress=False)
+                          max_batch_tokens=32, show_progress=False, gamma=gamma)
     with Engine.load(folder, threads=1) as engine:  # profiled on load, like every drafter kind
-        assert engine.has_speed_curve
+        assert engine.has_speed_curve and engine.gamma == (gamma or 3)
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS[:3]]
-        for spec in ("fixed:3", "async"):
+        for spec in (f"fixed:{engine.gamma}", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS[:3]]
             assert [h.result().token_ids for h in handles] == plain
 
