@@ -9,7 +9,7 @@ import click
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
-from dspark_runtime.cli_common import DSparkGroup, parse_size
+from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
 from dspark_runtime.graph_io import DRAFTER_TYPES
 
 
@@ -208,21 +208,15 @@ def train(
 @click.option(
     "--drafter", "drafters", multiple=True, required=True, help="Drafter folder or bundled name (repeatable)."
 )
-@click.option(
-    "--prompts",
-    type=click.Path(dir_okay=False, exists=True),
-    default=None,
-    help="JSON-lines prompts (default: the demo's).",
-)
+@prompt_options
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
 @click.option(
     "--max-new", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens generated per prompt."
 )
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of per-position acceptance curves.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def evaluate_command(target, target_path, drafters, prompts, temperature, max_new, limit, seed, plot, as_json) -> None:
+def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, as_json) -> None:
     """Measure drafters offline: real drafting and the lossless acceptance rule on target generations.
 
     \b
@@ -236,12 +230,10 @@ def evaluate_command(target, target_path, drafters, prompts, temperature, max_ne
     from dspark_export.drafters.evaluate import evaluate, plot_acceptance
     from dspark_export.loading import load_drafters, load_target
     from dspark_export.presets import resolve_target
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     spec = resolve_target(*default_to_demo(target, target_path))
     model, tokenizer = load_target(spec)
     loaded = load_drafters(spec, model, tokenizer, list(drafters))
-    rows = read_prompts(prompts or demo_prompts_path(), limit)
     results = []
     for name, drafter in loaded.items():
         with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:

@@ -1,4 +1,4 @@
-"""Pieces every training loop here shares: the learning-rate schedule and a resumable run folder.
+"""Pieces every training loop here shares: the learning-rate schedule, the CPU precision, a resumable run folder.
 
 A run folder holds `state.pt` (model, optimiser, step; replaced atomically) and `log.jsonl`.
 """
@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def bf16_autocast() -> torch.autocast:
+    """bf16 autocast where the CPU has AVX-512 (bf16/AMX) kernels; on AVX2 it is several times slower, so fp32."""
+    fast = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast)
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int, min_ratio: float) -> float:

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from dspark_runtime.cli_common import DSparkGroup, parse_size
+from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
 
 
 def shared_pool() -> bool:
@@ -172,13 +172,7 @@ def _repl(session) -> None:
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option(
-    "--prompts",
-    type=click.Path(dir_okay=False, exists=True),
-    default=None,
-    help="JSON-lines prompts (default: the demo's).",
-)
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
+@prompt_options
 @click.option("--modes", default="off,fixed:4", show_default=True, help="Comma-separated: off, fixed:K, sync, async.")
 @click.option(
     "--concurrency",
@@ -205,8 +199,7 @@ def _repl(session) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
 def bench(
     engine_dir,
-    prompts,
-    limit,
+    rows,
     modes,
     concurrency,
     max_tokens,
@@ -227,10 +220,8 @@ def bench(
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
     from dspark_runtime.engine import Engine
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
     from dspark_runtime.sampling import SamplingParams
 
-    rows = read_prompts(prompts or demo_prompts_path(), limit)
     if domains:
         rows = [r for r in rows if r.get("domain") in domains.split(",")]
         if not rows:
@@ -282,28 +273,20 @@ def profile(engine_dir, context, repeats, threads) -> None:
 
 @main.command()
 @click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
-@click.option(
-    "--prompts",
-    type=click.Path(dir_okay=False, exists=True),
-    default=None,
-    help="JSON-lines prompts (default: the demo's).",
-)
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most.")
+@prompt_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--bias", is_flag=True, help="Also fit an offset per position (beyond the paper's STS; for greedy).")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate(engine_dir, prompts, limit, max_tokens, temperature, threads, bias, as_json) -> None:
+def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json) -> None:
     """Fit Sequential Temperature Scaling on real verification rounds (calibration.json, calibration.png)."""
     from tqdm import tqdm
 
     from dspark_runtime.calibrate import calibrate as run_calibration
     from dspark_runtime.engine import Engine
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
     from dspark_runtime.sampling import SamplingParams
 
-    rows = read_prompts(prompts or demo_prompts_path(), limit)
     with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
             report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,

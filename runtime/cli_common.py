@@ -1,7 +1,8 @@
-"""Click plumbing shared by both CLIs: a DSparkError becomes one `error:` line and exit code 1; sizes."""
+"""Click plumbing shared by both CLIs: a DSparkError becomes one `error:` line and exit code 1; prompt files; sizes."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import click
@@ -19,6 +20,28 @@ class DSparkGroup(click.Group):
             if os.environ.get("DSPARK_DEBUG"):
                 raise
             raise click.ClickException(str(exc)) from None
+
+
+def prompt_options(command):
+    """`--prompts FILE` (default: the demo's held-out prompts), `--limit N` and `--skip N` of each domain; the
+    command receives the chosen prompts as `rows`."""
+
+    @functools.wraps(command)
+    def with_rows(*args, prompts, limit, skip, **kwargs):
+        from dspark_runtime.prompts import demo_prompts_path, read_prompts
+
+        return command(*args, rows=read_prompts(prompts or demo_prompts_path(), limit, skip), **kwargs)
+
+    options = [
+        click.option("--prompts", type=click.Path(dir_okay=False, exists=True), default=None,
+                     help="JSON-lines prompts (default: the demo's)."),
+        click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per domain at most."),
+        click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Leave out the first SKIP prompts of each domain."),
+    ]
+    for option in reversed(options):
+        with_rows = option(with_rows)
+    return with_rows
 
 
 def parse_size(text: str, option: str) -> int:

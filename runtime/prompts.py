@@ -15,8 +15,8 @@ def demo_prompts_path() -> Path:
     return Path(str(resources.files("dspark_runtime") / "assets" / "demo-prompts.jsonl"))
 
 
-def read_prompts(file: str | Path, per_domain: int | None = None) -> list[dict]:
-    """The prompts of a file, the first `per_domain` of each domain when given."""
+def read_prompts(file: str | Path, per_domain: int | None = None, skip: int = 0) -> list[dict]:
+    """The prompts of a file: of each domain, those after its first `skip`, at most `per_domain` of them."""
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -32,13 +32,12 @@ def read_prompts(file: str | Path, per_domain: int | None = None) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise DSparkError(f'{file}:{number}: each line needs a "prompt" string')
         rows.append(row)
-    if per_domain is None:
-        return rows
+    last = skip + (len(rows) if per_domain is None else per_domain)
     seen: Counter = Counter()
     kept = []
     for row in rows:
         domain = row.get("domain", "all")
-        if seen[domain] < per_domain:
-            seen[domain] += 1
+        seen[domain] += 1
+        if skip < seen[domain] <= last:
             kept.append(row)
     return kept

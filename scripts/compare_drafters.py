@@ -5,8 +5,8 @@
 For each drafter (a folder or bundled name, any layout `build` reads; `NAME@K` builds an EAGLE-3 drafter
 unrolled K steps a round, as `build --gamma K` does): an engine for the demo target at
 `--weights`, its speed curve (measured on first load), and for drafters with a confidence head an STS fit per
-temperature on held-out prompts the benchmark does not use (the prompts after the first `--limit` of each
-domain). Then, per temperature and domain, the first `--limit` prompts through `off`, `fixed:K` for each K of
+temperature on held-out prompts the benchmark does not use (the first `--skip` of each domain). Then, per
+temperature and domain, the `--limit` prompts after those through `off`, `fixed:K` for each K of
 `--fixed` and `async` (`--repeats` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
 temperature: τ and the drafter's share of a step at `fixed:γ`, the best `fixed:K` and `async` in tokens/s and
 against `off`, the best mode's tokens/s per domain, macro-averaged over the domains and against the first drafter
@@ -41,9 +41,9 @@ def bench_drafter(name: str, args) -> dict:
     if not (folder / "manifest.json").is_file():
         build_engine(resolve_target("demo"), folder, resolve_drafter(drafter), Path(drafter).name, show_progress=False,
                      weights=WeightFormat(args.weights), gamma=int(gamma) if gamma else None)
-    rows = read_prompts(demo_prompts_path())
+    rows = read_prompts(demo_prompts_path(), args.limit, args.skip)
     by_domain = {d: [r for r in rows if r.get("domain") == d] for d in DOMAINS}
-    held_out = [r for d in DOMAINS for r in by_domain[d][args.limit:]]
+    held_out = read_prompts(demo_prompts_path(), args.skip)
     figures: dict = {}
     with Engine.load(folder, threads=args.threads) as engine:
         gamma = engine.gamma
@@ -55,8 +55,7 @@ def bench_drafter(name: str, args) -> dict:
         for temperature in args.temperatures:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True)
             for domain in DOMAINS:
-                report = run_benchmark(engine, by_domain[domain][: args.limit], modes, [1], params,
-                                       repeats=args.repeats)
+                report = run_benchmark(engine, by_domain[domain], modes, [1], params, repeats=args.repeats)
                 figures.setdefault(temperature, {})[domain] = {r["mode"]: r for r in report["results"]}
                 print(f"{name} T={temperature:g} {domain}: " + ", ".join(
                     f"{r['mode']} {r['tokens_per_s']:.0f}" for r in report["results"]), file=sys.stderr)
@@ -111,6 +110,7 @@ def main() -> None:
     parser.add_argument("drafters", nargs="+")
     parser.add_argument("--weights", default="fp32", choices=["fp32", "int8", "int4"])
     parser.add_argument("--limit", type=int, default=10, help="benchmark prompts per domain")
+    parser.add_argument("--skip", type=int, default=30, help="prompts per domain for STS, before the benchmark's")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])

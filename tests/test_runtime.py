@@ -194,6 +194,10 @@ def test_bench_command(engine_dir, tmp_path):
             "code",
             "--repeats",
             "3",
+            "--skip",
+            "1",
+            "--limit",
+            "3",
             "--plot",
             str(tmp_path / "frontier.png"),
             "--json",
@@ -207,7 +211,8 @@ def test_bench_command(engine_dir, tmp_path):
         ("off", 2),
         ("fixed:3", 2),
     ]
-    assert all(r["generated_tokens"] == 8 * len(PROMPTS) and r["ratio_to_off"] > 0 for r in report["results"])
+    assert report["prompts"] == 3  # PROMPTS[1:4]
+    assert all(r["generated_tokens"] == 8 * 3 and r["ratio_to_off"] > 0 for r in report["results"])
     for r in report["results"]:  # ratios within each of the three rounds, then their median
         assert len(r["ratio_to_off_by_round"]) == 3 and r["ratio_to_off"] == np.median(r["ratio_to_off_by_round"])
         assert r["mode"] != "off" or r["ratio_to_off_by_round"] == [1.0, 1.0, 1.0]
@@ -221,6 +226,19 @@ def test_bench_command(engine_dir, tmp_path):
     assert bad.exit_code == 2
     unknown = CliRunner().invoke(main, ["bench", str(engine_dir), "--prompts", str(prompts), "--domains", "poetry"])
     assert unknown.exit_code == 2 and "no prompt has a domain" in unknown.output
+
+
+def test_prompt_files_split_per_domain(tmp_path):
+    from dspark_runtime.prompts import read_prompts
+
+    file = tmp_path / "prompts.jsonl"
+    rows = [{"domain": d, "prompt": f"{d}{i}"} for i in range(4) for d in ("code", "chat")]
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prompts = lambda *args: [r["prompt"] for r in read_prompts(file, *args)]  # noqa: E731
+    assert prompts() == [r["prompt"] for r in rows]
+    assert prompts(1) == ["code0", "chat0"]
+    assert prompts(2, 1) == ["code1", "chat1", "code2", "chat2"]
+    assert prompts(None, 3) == ["code3", "chat3"] and prompts(None, 4) == []
 
 
 def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):

@@ -22,7 +22,7 @@ from dspark_export.config import Qwen3Config
 from dspark_export.demo.corpus import DOMAINS
 from dspark_export.demo.tokens import load_stream
 from dspark_export.model import Qwen3Model
-from dspark_export.training import RunFolder, learning_rate
+from dspark_export.training import RunFolder, bf16_autocast, learning_rate
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,8 @@ def sample_batch(streams: dict[str, np.ndarray], weights: dict[str, float], batc
     return torch.from_numpy(np.stack(rows))
 
 
-def bf16_is_fast() -> bool:
-    """bf16 autocast pays off only with AVX-512 (bf16/AMX) kernels; on AVX2 it is several times slower than fp32."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
 def lm_loss(model: Qwen3Model, window: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_is_fast()):
+    with bf16_autocast():
         logits = model(window[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
 

@@ -2,7 +2,8 @@
 
 Each step: a batch of self-distillation sequences -> one target forward (features of the chosen layers
 and the target's logits) -> the drafter's loss over many anchor blocks per sequence (DSpark, DFlash)
-or over the unrolled steps at the same anchors (EAGLE-3) -> AdamW. Resumable from the run folder.
+or over the unrolled steps at the same anchors (EAGLE-3) -> AdamW; bf16 autocast where the CPU has fast bf16
+kernels (as the published drafters train in bf16). Resumable from the run folder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dspark_export.drafters.data import Sequences
 from dspark_export.drafters.eagle3 import eagle3_loss
 from dspark_export.drafters.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, drafter_loss
 from dspark_export.model import Qwen3Model
-from dspark_export.training import RunFolder, learning_rate
+from dspark_export.training import RunFolder, bf16_autocast, learning_rate
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: 
         tokens, lengths, supervised_from = data.batch(rng.choice(usable, cfg.batch, replace=False), cfg.max_length)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg.steps, cfg.lr, warmup, 0.0)
-        terms = drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator)
+        with bf16_autocast():
+            terms = drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator)
         optimizer.zero_grad(set_to_none=True)
         terms["total"].backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
