@@ -1,4 +1,4 @@
-"""The bundled demo target: it loads through the preset, matches transformers, generates deterministically."""
+"""The bundled demo target and drafters: they load through the preset, match transformers and the target, fit the budget."""
 
 from __future__ import annotations
 
@@ -83,3 +83,18 @@ def test_held_out_prompt_sets():
         assert sum(r["domain"] == domain for r in rows) >= 50
     chat = [r for r in rows if r["domain"] != "code"]
     assert all(r["prompt"].endswith("<|im_start|>assistant\n") and r["messages"][0]["role"] == "user" for r in chat)
+
+
+def test_bundled_drafters_are_built_for_the_demo_target_and_fit_the_budget():
+    from dspark_export.drafters.bundled import bundled_drafters, bundled_root
+    from dspark_export.drafters.config import DrafterConfig
+
+    names = bundled_drafters()
+    assert {"demo-dspark", "demo-dflash", "demo-eagle3"} <= set(names)
+    tokenizer = ChatTokenizer.from_dir(demo_dir())
+    for name in names:
+        config = DrafterConfig.from_dir(bundled_root() / name)
+        config.check_target(DEMO_CONFIG, tokenizer.vocab_hash())  # raises on a mismatch
+    folders = (demo_dir(), *(bundled_root() / name for name in names))
+    size = sum(file.stat().st_size for folder in folders for file in folder.iterdir())
+    assert size < 50e6  # the repository's binary budget is 60 MB in all
