@@ -1,4 +1,4 @@
-"""The bundled demo target and drafters: they load through the preset, match transformers and the target, fit the budget."""
+"""The bundled demo target and drafters: load through the preset, match transformers and the target, fit the budget."""
 
 from __future__ import annotations
 
