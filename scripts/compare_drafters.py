@@ -9,8 +9,8 @@ temperature on held-out prompts the benchmark does not use (the first `--skip` o
 temperature and domain, the `--limit` prompts after those through `off`, `fixed:K` for each K of
 `--fixed` and `async` (`--repeats` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
 temperature, a row per drafter and domain and a macro row: τ and the drafter's share of a step at `fixed:γ`,
-`off`, the best `fixed:K` and `async` in tokens/s and against `off`, and the best of those modes against the first
-drafter named; `--json FILE` keeps every figure.
+`off`, the best `fixed:K` and `async` in tokens/s and against `off`, and the best of those modes against `off` and
+against the first drafter named; `--json FILE` keeps every figure, `--table FILE [NAME ...]` prints its tables again.
 """
 
 from __future__ import annotations
@@ -80,39 +80,42 @@ def summarize(results: dict) -> dict:
                                 "async_tokens_per_s": modes["async"]["tokens_per_s"],
                                 "async_ratio": modes["async"]["ratio_to_off"],
                                 "best_mode_tokens_per_s": max(fixed[best]["tokens_per_s"],
-                                                              modes["async"]["tokens_per_s"])}
+                                                              modes["async"]["tokens_per_s"]),
+                                "best_mode_ratio": max(fixed[best]["ratio_to_off"], modes["async"]["ratio_to_off"])}
             macro = {key: float(np.mean([row[key] for row in rows.values()])) for key in rows[DOMAINS[0]]
                      if key != "best_fixed"}
-            table.setdefault(temperature, {})[name] = {"domains": rows, "macro": macro}
+            table.setdefault(float(temperature), {})[name] = {"domains": rows, "macro": macro}
     return table
 
 
 def markdown(table: dict) -> str:
-    """Per temperature, one row per drafter and domain and one for the macro average."""
+    """Per temperature, one row per drafter and domain and one for the macro average. Drafters are compared by
+    their best mode's ratio to their own `off`: every engine runs the same target, and a ratio taken within
+    rounds is immune to the machine's drift between engines measured minutes apart."""
     lines = []
     for temperature, drafters in table.items():
         first = next(iter(drafters))
         lines += [f"\nT={temperature:g}\n",
                   "| drafter | domain | τ at fixed:γ | drafter share | `off` tok/s | best `fixed:K` tok/s (x off) | "
-                  f"`async` tok/s (x off) | best mode tok/s (x {first}) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  f"`async` tok/s (x off) | best mode x off | x {first} |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, row in drafters.items():
             for domain, cells in [*row["domains"].items(), ("macro", row["macro"])]:
                 reference = drafters[first]["domains"].get(domain, drafters[first]["macro"])
-                against_first = cells["best_mode_tokens_per_s"] / reference["best_mode_tokens_per_s"]
                 best = f" `{cells['best_fixed']}`" if "best_fixed" in cells else ""
                 bold = "**" if domain == "macro" else ""
                 lines.append(f"| {name} | {domain} | {cells['tau']:.2f} | {cells['drafter_share']:.2f} | "
                              f"{cells['off']:.0f} | {cells['best_fixed_tokens_per_s']:.0f}{best} "
                              f"({cells['best_fixed_ratio']:.2f}x) | {cells['async_tokens_per_s']:.0f} "
-                             f"({cells['async_ratio']:.2f}x) | {bold}{cells['best_mode_tokens_per_s']:.0f} "
-                             f"({against_first:.2f}x){bold} |")
+                             f"({cells['async_ratio']:.2f}x) | {cells['best_mode_ratio']:.2f}x | "
+                             f"{bold}{cells['best_mode_ratio'] / reference['best_mode_ratio']:.2f}x{bold} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("drafters", nargs="+")
+    parser.add_argument("drafters", nargs="*", help="with --table: the drafters to show, in order (default: all)")
+    parser.add_argument("--table", type=Path, default=None, help="print the tables of an earlier --json run only")
     parser.add_argument("--weights", default="fp32", choices=["fp32", "int8", "int4"])
     parser.add_argument("--limit", type=int, default=10, help="benchmark prompts per domain")
     parser.add_argument("--skip", type=int, default=30, help="prompts per domain for STS, before the benchmark's")
@@ -124,6 +127,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("build/compare"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.table:
+        results = json.loads(args.table.read_text())["results"]
+        print(markdown(summarize({name: results[name] for name in args.drafters or results})))
+        return
     results = {Path(name).name: bench_drafter(name, args) for name in args.drafters}
     table = summarize(results)
     if args.json:
