@@ -6,7 +6,9 @@ For each drafter (a folder or bundled name, any layout `build` reads; `NAME@K` b
 unrolled K steps a round, as `build --gamma K` does): an engine for the demo target at
 `--weights`, its speed curve (measured on first load), and for drafters with a confidence head an STS fit per
 temperature on held-out prompts the benchmark does not use (the first `--skip` of each domain). Then, per
-temperature and domain, the `--limit` prompts after those through `off`, `fixed:K` for each K of
+temperature and domain, the `--limit` prompts after those (each generation ends at the end-of-sequence token or
+`--max-tokens`, as a user sees it: past the end the target writes text no drafter was trained on, most of a
+math answer's 128 tokens) through `off`, `fixed:K` for each K of
 `--fixed` and `async` (`--repeats` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
 temperature, a row per drafter and domain and a macro row: τ and the drafter's share of a step at `fixed:γ`,
 `off`, the best `fixed:K` and `async` in tokens/s and against `off`, and the best of those modes against `off` and
@@ -53,7 +55,7 @@ def bench_drafter(name: str, args) -> dict:
                 calibrate(engine, held_out, params, plot=False)
         modes = ["off", *(f"fixed:{k}" for k in args.fixed if k <= gamma), "async"]
         for temperature in args.temperatures:
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True)
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature)
             for domain in DOMAINS:
                 report = run_benchmark(engine, by_domain[domain], modes, [1], params, repeats=args.repeats)
                 figures.setdefault(temperature, {})[domain] = {r["mode"]: r for r in report["results"]}
