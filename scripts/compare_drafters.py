@@ -65,29 +65,33 @@ def bench_drafter(name: str, args) -> dict:
 
 
 def summarize(results: dict) -> dict:
-    """Per drafter and temperature: per domain and macro, τ and drafter share at fixed:γ, best fixed:K, async."""
+    """Per drafter and temperature, per domain and macro: τ and drafter share at fixed:γ, the best fixed:K, async and
+    the better of the two. The macro row averages each mode over the domains and then picks, as a user who sets one
+    mode for every prompt would (a per-domain row picks within its domain)."""
     table = {}
     for name, result in results.items():
         gamma = result["gamma"]
         for temperature, domains in result["by_temperature"].items():
-            rows = {}
-            for domain, modes in domains.items():
-                fixed = {m: r for m, r in modes.items() if m.startswith("fixed:")}
-                best = max(fixed, key=lambda m: fixed[m]["ratio_to_off"])
-                full = fixed.get(f"fixed:{gamma}", fixed[best])
-                rows[domain] = {"tau": full["tau"], "drafter_share": full["drafter_share_of_step_time"],
-                                "off": modes["off"]["tokens_per_s"], "best_fixed": best,
-                                "best_fixed_tokens_per_s": fixed[best]["tokens_per_s"],
-                                "best_fixed_ratio": fixed[best]["ratio_to_off"],
-                                "async_tokens_per_s": modes["async"]["tokens_per_s"],
-                                "async_ratio": modes["async"]["ratio_to_off"],
-                                "best_mode_tokens_per_s": max(fixed[best]["tokens_per_s"],
-                                                              modes["async"]["tokens_per_s"]),
-                                "best_mode_ratio": max(fixed[best]["ratio_to_off"], modes["async"]["ratio_to_off"])}
-            macro = {key: float(np.mean([row[key] for row in rows.values()])) for key in rows[DOMAINS[0]]
-                     if key != "best_fixed"}
-            table.setdefault(float(temperature), {})[name] = {"domains": rows, "macro": macro}
+            macro_modes = {mode: {key: float(np.mean([domains[d][mode][key] for d in domains]))
+                                  for key in ("tokens_per_s", "ratio_to_off", "tau", "drafter_share_of_step_time")}
+                           for mode in domains[DOMAINS[0]]}
+            rows = {domain: row_of(modes, gamma) for domain, modes in [*domains.items(), ("macro", macro_modes)]}
+            table.setdefault(float(temperature), {})[name] = {"domains": {d: rows[d] for d in domains},
+                                                              "macro": rows["macro"]}
     return table
+
+
+def row_of(modes: dict, gamma: int) -> dict:
+    """τ and drafter share at fixed:γ, `off`, the best fixed:K and async (tokens/s, ratio to off), the better one."""
+    fixed = {m: r for m, r in modes.items() if m.startswith("fixed:")}
+    best = max(fixed, key=lambda m: fixed[m]["ratio_to_off"])
+    full = fixed.get(f"fixed:{gamma}", fixed[best])
+    return {"tau": full["tau"], "drafter_share": full["drafter_share_of_step_time"],
+            "off": modes["off"]["tokens_per_s"], "best_fixed": best,
+            "best_fixed_tokens_per_s": fixed[best]["tokens_per_s"], "best_fixed_ratio": fixed[best]["ratio_to_off"],
+            "async_tokens_per_s": modes["async"]["tokens_per_s"], "async_ratio": modes["async"]["ratio_to_off"],
+            "best_mode_tokens_per_s": max(fixed[best]["tokens_per_s"], modes["async"]["tokens_per_s"]),
+            "best_mode_ratio": max(fixed[best]["ratio_to_off"], modes["async"]["ratio_to_off"])}
 
 
 def markdown(table: dict) -> str:
@@ -104,7 +108,7 @@ def markdown(table: dict) -> str:
         for name, row in drafters.items():
             for domain, cells in [*row["domains"].items(), ("macro", row["macro"])]:
                 reference = drafters[first]["domains"].get(domain, drafters[first]["macro"])
-                best = f" `{cells['best_fixed']}`" if "best_fixed" in cells else ""
+                best = f" `{cells['best_fixed']}`"
                 bold = "**" if domain == "macro" else ""
                 lines.append(f"| {name} | {domain} | {cells['tau']:.2f} | {cells['drafter_share']:.2f} | "
                              f"{cells['off']:.0f} | {cells['best_fixed_tokens_per_s']:.0f}{best} "

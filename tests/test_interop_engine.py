@@ -58,11 +58,12 @@ def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path
     layouts = {"ours": resolve_drafter("demo-dspark"),
                "speculators": convert("demo-dspark", "speculators", tmp_path / "speculators"),
                "deepspec": convert("demo-dspark", "deepspec", tmp_path / "deepspec")}
+    ours = json.loads((layouts["ours"] / "config.json").read_text())["feature_layers"]
     raw = json.loads((layouts["speculators"] / "config.json").read_text())
-    assert raw["aux_hidden_state_layer_ids"] == [4]  # our layer 3 is hidden_states[4]
-    assert json.loads((layouts["deepspec"] / "config.json").read_text())["target_layer_ids"] == [3]
+    assert raw["aux_hidden_state_layer_ids"] == [layer + 1 for layer in ours]  # our layer l is hidden_states[l + 1]
+    assert json.loads((layouts["deepspec"] / "config.json").read_text())["target_layer_ids"] == ours
     shifted = shutil.copytree(layouts["speculators"], tmp_path / "shifted")
-    (shifted / "config.json").write_text(json.dumps(raw | {"aux_hidden_state_layer_ids": [3]}))
+    (shifted / "config.json").write_text(json.dumps(raw | {"aux_hidden_state_layer_ids": ours}))
     layouts["shifted"] = shifted
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     runs = {}
@@ -78,7 +79,9 @@ def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path
 def test_eagle3_converts_to_speculators_and_back(tmp_path):
     """demo-eagle3 in speculators' EAGLE-3 layout (its LM head written out, layer ids shifted) drafts as before."""
     converted = convert("demo-eagle3", "speculators", tmp_path / "speculators")
-    assert json.loads((converted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [4]
+    ours = json.loads((resolve_drafter("demo-eagle3") / "config.json").read_text())["feature_layers"]
+    assert json.loads((converted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [
+        layer + 1 for layer in ours]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     runs = [generate(build_engine(resolve_target("demo"), tmp_path / f"engine-{i}", drafter, "eagle3", cache_slots=2,
                                   max_context=128, show_progress=False), params, "fixed:5")
