@@ -97,4 +97,4 @@ def test_bundled_drafters_are_built_for_the_demo_target_and_fit_the_budget():
         config.check_target(DEMO_CONFIG, tokenizer.vocab_hash())  # raises on a mismatch
     folders = (demo_dir(), *(bundled_root() / name for name in names))
     size = sum(file.stat().st_size for folder in folders for file in folder.iterdir())
-    assert size < 50e6  # the repository's binary budget is 60 MB in all
+    assert size < 54e6  # the binary budget is 60 MB in all; data, fixtures and figures take about 6 MB
