@@ -75,9 +75,9 @@ def summarize(results: dict) -> dict:
             macro_modes = {mode: {key: float(np.mean([domains[d][mode][key] for d in domains]))
                                   for key in ("tokens_per_s", "ratio_to_off", "tau", "drafter_share_of_step_time")}
                            for mode in domains[DOMAINS[0]]}
-            rows = {domain: row_of(modes, gamma) for domain, modes in [*domains.items(), ("macro", macro_modes)]}
-            table.setdefault(float(temperature), {})[name] = {"domains": {d: rows[d] for d in domains},
-                                                              "macro": rows["macro"]}
+            table.setdefault(float(temperature), {})[name] = {
+                "domains": {domain: row_of(modes, gamma) for domain, modes in domains.items()},
+                "macro": row_of(macro_modes, gamma)}
     return table
 
 

@@ -17,6 +17,7 @@ from dspark_export.checkpoint import Checkpoint, read_header, tensor_view, write
 from dspark_export.cli import main
 from dspark_export.config import Qwen3Config
 from dspark_export.drafters.bundled import resolve_drafter
+from dspark_export.drafters.config import DrafterConfig
 from dspark_export.presets import resolve_target
 from dspark_runtime import Engine, SamplingParams
 from tests.conftest import SAMPLES, TEXT, drafter_feeds, exact_joint, p_value, sample_pairs
@@ -58,7 +59,7 @@ def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path
     layouts = {"ours": resolve_drafter("demo-dspark"),
                "speculators": convert("demo-dspark", "speculators", tmp_path / "speculators"),
                "deepspec": convert("demo-dspark", "deepspec", tmp_path / "deepspec")}
-    ours = json.loads((layouts["ours"] / "config.json").read_text())["feature_layers"]
+    ours = list(DrafterConfig.from_dir(layouts["ours"]).feature_layers)
     raw = json.loads((layouts["speculators"] / "config.json").read_text())
     assert raw["aux_hidden_state_layer_ids"] == [layer + 1 for layer in ours]  # our layer l is hidden_states[l + 1]
     assert json.loads((layouts["deepspec"] / "config.json").read_text())["target_layer_ids"] == ours
@@ -79,7 +80,7 @@ def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path
 def test_eagle3_converts_to_speculators_and_back(tmp_path):
     """demo-eagle3 in speculators' EAGLE-3 layout (its LM head written out, layer ids shifted) drafts as before."""
     converted = convert("demo-eagle3", "speculators", tmp_path / "speculators")
-    ours = json.loads((resolve_drafter("demo-eagle3") / "config.json").read_text())["feature_layers"]
+    ours = list(DrafterConfig.from_dir(resolve_drafter("demo-eagle3")).feature_layers)
     assert json.loads((converted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [
         layer + 1 for layer in ours]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
