@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from dspark_export.checkpoint import Checkpoint, expected_shapes
 from dspark_export.config import DTYPES, Qwen3Config
+from dspark_export.drafters.draft_vocab import DraftVocab, with_draft_vocab
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.graphs.target import attention_for, build_target_onnx
 from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights
@@ -99,10 +100,11 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
                  max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True,
                  weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,
-                 kv_memory: int | None = None, gamma: int | None = None) -> Path:
+                 kv_memory: int | None = None, gamma: int | None = None, draft_vocab: DraftVocab | None = None) -> Path:
     """Write the engine directory `out`; returns it. `weights` default to the dtype's float format; the drafter's
     to int8 on ONNX Runtime and fp32 on TensorRT. The context defaults to what `kv_memory` holds. `gamma` unrolls
-    an EAGLE-3 drafter that many steps a round instead of the γ it was trained with."""
+    an EAGLE-3 drafter that many steps a round instead of the γ it was trained with; `draft_vocab` prunes the
+    drafter's output to that many of the target's most frequent tokens."""
     backend = resolve_backend(backend)
     weights = weights or float_weights(dtype)
     check_options(spec.config, backend, dtype, weights, drafter_weights)
@@ -116,6 +118,10 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
     if gamma is not None:
         source = with_gamma(source, gamma)
+    if draft_vocab is not None:
+        if source is None:
+            raise DSparkError("--draft-vocab prunes a drafter's output layer; this build has no drafter")
+        source = with_draft_vocab(source, checkpoint, *draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size))
     drafter_config = source and source.config
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
     gamma = drafter_config.gamma if drafter_config else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import click
@@ -67,6 +68,32 @@ def engine_options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def draft_vocab_options(command):
+    """`--draft-vocab N` and `--draft-vocab-counts FILE`; the command receives a `DraftVocab` (or None) as
+    `draft_vocab`."""
+
+    @functools.wraps(command)
+    def with_draft_vocab(*args, draft_vocab, draft_vocab_counts, **kwargs):
+        from pathlib import Path
+
+        from dspark_export.drafters.draft_vocab import DraftVocab
+
+        chosen = draft_vocab and DraftVocab(draft_vocab, tuple(Path(f) for f in draft_vocab_counts))
+        return command(*args, draft_vocab=chosen, **kwargs)
+
+    options = [
+        click.option("--draft-vocab", type=click.IntRange(min=1), default=None,
+                     help="Draft over the N most frequent target tokens only (a smaller output layer and Markov head; "
+                          "lossless either way)."),
+        click.option("--draft-vocab-counts", type=click.Path(dir_okay=False, exists=True), multiple=True,
+                     help="Token frequencies for --draft-vocab: distillation .npz files or a .json of counts per "
+                          "token id (repeatable)."),
+    ]
+    for option in reversed(options):
+        with_draft_vocab = option(with_draft_vocab)
+    return with_draft_vocab
 
 
 def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat:
@@ -156,6 +183,7 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores; 1 lets runs share)."
 )
+@draft_vocab_options
 def train(
     target,
     target_path,
@@ -174,18 +202,26 @@ def train(
     until,
     save_dtype,
     threads,
+    draft_vocab,
 ) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
+
+    With --draft-vocab N the drafter drafts over the N most frequent tokens of --draft-vocab-counts (default: the
+    generated tokens of the --data files).
 
     \b
     Example:
       dspark-export train --target demo --drafter-type dspark --data build/demo/distill.npz --out drafters/dspark
     The run folder OUT.run keeps checkpoints: rerun the same command to resume.
     """
+    import dataclasses
     from pathlib import Path
+
+    import torch
 
     from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter
     from dspark_export.drafters.data import Sequences
+    from dspark_export.drafters.draft_vocab import SOURCE_KEY
     from dspark_export.drafters.train import DrafterTrainConfig, new_drafter_config, train_drafter
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
@@ -194,8 +230,15 @@ def train(
     model, tokenizer = load_target(spec)
     layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     config = new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma, markov_rank, layers_list)
+    if draft_vocab is not None:
+        draft_vocab = dataclasses.replace(draft_vocab, counts=draft_vocab.counts or tuple(map(Path, data)))
+        ids, origin = draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size)
+        config = dataclasses.replace(config, draft_vocab_size=len(ids), own_lm_head=True,
+                                     extra=config.extra | {SOURCE_KEY: origin})
     drafter = build_drafter(config)
     attach_target(drafter, model)
+    if draft_vocab is not None:
+        drafter.draft_from(torch.from_numpy(ids), model.lm_head.weight.detach())
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
     train_drafter(drafter, model, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
     if until is None or until >= steps:
@@ -215,8 +258,10 @@ def train(
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of per-position acceptance curves.")
+@draft_vocab_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, as_json) -> None:
+def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, draft_vocab,
+                     as_json) -> None:
     """Measure drafters offline: real drafting and the lossless acceptance rule on target generations.
 
     \b
@@ -233,7 +278,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
 
     spec = resolve_target(*default_to_demo(target, target_path))
     model, tokenizer = load_target(spec)
-    loaded = load_drafters(spec, model, tokenizer, list(drafters))
+    loaded = load_drafters(spec, model, tokenizer, list(drafters), draft_vocab)
     results = []
     for name, drafter in loaded.items():
         with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:
@@ -270,6 +315,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
     "--gamma", type=click.IntRange(min=1), default=None,
     help="EAGLE-3 drafters: steps unrolled per round (default: the γ it was trained with).",
 )
+@draft_vocab_options
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(
     target,
@@ -288,6 +334,7 @@ def build(
     drafter_weights,
     max_batch_tokens,
     gamma,
+    draft_vocab,
     force,
 ) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
@@ -296,6 +343,7 @@ def build(
     Examples:
       dspark-export build --target demo
       dspark-export build --target qwen3-8b --target-path ~/models/Qwen3-8B --drafter ./qwen3-8b-dspark --out engines/q8
+      dspark-export build --drafter demo-dflash --draft-vocab 4096 --draft-vocab-counts data/demo-distill.npz
     """
     from pathlib import Path
 
@@ -324,6 +372,7 @@ def build(
         drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
         kv_memory=parse_size(kv_memory, "--kv-memory"),
         gamma=gamma,
+        draft_vocab=draft_vocab,
     )
     click.echo(f"engine written to {engine}")
 

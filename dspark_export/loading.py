@@ -20,12 +20,19 @@ def load_target(spec: TargetSpec, dtype: str = "float32") -> tuple[Qwen3Model, C
     return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype), tokenizer
 
 
-def load_drafters(spec: TargetSpec, model: Qwen3Model, tokenizer: ChatTokenizer, names: list[str]) -> dict:
-    """Torch drafters for the target, by folder, bundled name or cached repo id, in any layout DSpark reads."""
+def load_drafters(spec: TargetSpec, model: Qwen3Model, tokenizer: ChatTokenizer, names: list[str],
+                  draft_vocab=None) -> dict:
+    """Torch drafters for the target, by folder, bundled name or cached repo id, in any layout DSpark reads;
+    with a `DraftVocab`, each pruned to it."""
     from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.drafters.checkpoint import load_drafter
+    from dspark_export.drafters.draft_vocab import with_draft_vocab
     from dspark_export.interop import open_drafter
 
     checkpoint = Checkpoint(spec.require_path(), spec.config)
-    return {name: load_drafter(open_drafter(resolve_drafter(name), spec.config, checkpoint, tokenizer), model)
-            for name in names}
+    chosen = draft_vocab and draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size)
+    drafters = {}
+    for name in names:
+        source = open_drafter(resolve_drafter(name), spec.config, checkpoint, tokenizer)
+        drafters[name] = load_drafter(with_draft_vocab(source, checkpoint, *chosen) if chosen else source, model)
+    return drafters

@@ -251,23 +251,28 @@ def bench(
     show_default=True,
     help="Cached positions per request while timing.",
 )
-@click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Interleaved rounds over all sizes; each size's figure is the median of its rounds.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
-def profile(engine_dir, context, repeats, threads) -> None:
-    """Measure target step time per batch size and drafter time per request count (hardware_curve.json)."""
+def profile(engine_dir, context, rounds, threads) -> None:
+    """Measure target step time per batch size and drafter time per request count (hardware_curve.json).
+
+    The `sync` and `async` modes schedule verification from these costs. Sizes are timed in interleaved rounds;
+    a size whose rounds disagree by more than 25% is measured again, and the largest disagreement is printed.
+    """
     from tqdm import tqdm
 
     from dspark_runtime.engine import Engine
-    from dspark_runtime.profiling import target_sizes
+    from dspark_runtime.profiling import decode_tokens, target_sizes
 
     with Engine.load(engine_dir, threads=threads, profile=False, shared_pool=shared_pool()) as engine:
-        total = len(target_sizes(engine.manifest.max_batch_tokens)) + (
-            engine.manifest.cache_slots if engine.gamma else 0
-        )
+        total = len(target_sizes(decode_tokens(engine.core))) + (engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
-            curve = engine.profile(context, repeats, lambda graph, n: bar.update())
-    target = curve["target_seconds"]
+            curve = engine.profile(context, rounds, lambda graph, n: bar.update())
+    target, spread = curve["target_seconds"], curve["spread"]
     click.echo(f"target: {1e3 * target[0]:.2f} ms at 1 token, {1e3 * target[-1]:.2f} ms at {len(target)} tokens; "
+               f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request; largest spread between rounds "
+               f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
 
 

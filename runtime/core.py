@@ -157,18 +157,22 @@ class EngineCore:
         scheduled = [s for s in sequences if s.spec.kind in ("sync", "async")]
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences  # a fixed:K request pays for the drafter call anyway
-        known = [s.survival for s in scheduled if s.survival is not None]
-
-        def prior(s: Sequence) -> np.ndarray:  # a new request: like the last one at its temperature, or the others
-            last = self.last_survival.get(s.params.temperature)
-            return last if last is not None else np.mean(known, axis=0) if known else np.ones(self.gamma)
-
-        survival = np.stack([prior(s) if s.survival is None else s.survival for s in scheduled])
-        if self.gate.worth_drafting(survival, sum(s.target_len - s.drafter_len for s in scheduled)):
+        survivals = tuple(self._prior(s, scheduled) if s.survival is None else s.survival for s in scheduled)
+        unread = sum(s.target_len - s.drafter_len for s in scheduled)
+        remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
+        if self.gate.worth_drafting(survivals, unread, remaining):
             return sequences
         for s in scheduled:
             s.drafts = s.draft_probs = s.confidence_logits = None
         return []
+
+    def _prior(self, s: Sequence, scheduled: list[Sequence]) -> np.ndarray:
+        """A new request's survivals: the last ones at its temperature, else the others' mean, else all ones."""
+        last = self.last_survival.get(s.params.temperature)
+        if last is not None:
+            return last
+        known = [other.survival for other in scheduled if other.survival is not None]
+        return np.mean(known, axis=0) if known else np.ones(self.gamma)
 
     def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], TargetBatch]:
         ids, slots, positions, logit_index, rows = [], [], [], [], []

@@ -6,6 +6,7 @@ from other threads are batched into the same steps.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from dspark_runtime.engine_dir import (
 )
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
+from dspark_runtime.profiling import machine
 from dspark_runtime.randomness import KeyedRandom
 from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 from dspark_runtime.scheduler import SpeedCurve
@@ -115,8 +117,10 @@ class Engine:
         drafter: OrtGraph | None,
         curve: SpeedCurve | None = None,
         calibration: dict[float, dict] | None = None,
+        machine: dict | None = None,
     ):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
+        self.machine = machine or {}  # what the speed curve is measured on (`profiling.machine`)
         self.core = EngineCore(
             manifest, target, drafter, self._text, curve, sts_by_temperature(calibration or {}) or None
         )
@@ -135,8 +139,9 @@ class Engine:
         """Load an engine directory (None: the bundled demo, built into the user cache on first use, which a
         line on stderr announces). `backend` "auto" runs what the manifest was built for.
 
-        An engine with a drafter but no hardware_curve.json is profiled first, once, announced by a line on
-        stderr (`profile=False` skips it, and then `sync`/`async` are unavailable). `shared_pool` runs both
+        An engine with a drafter but no hardware_curve.json, or one measured on another machine or with another
+        thread count, is profiled first, announced by a line on stderr (`profile=False` skips it: then `sync`/`async`
+        are unavailable without a curve, and a line warns about a curve from elsewhere). `shared_pool` runs both
         graphs on ONNX Runtime's process-wide thread pool: faster on few cores, but every ONNX Runtime session
         the process creates afterwards must then set `use_per_session_threads = False` (see `backend`).
         """
@@ -148,12 +153,22 @@ class Engine:
                               f"{manifest.vocab_size}; rebuild the engine with `dspark-export build --force`")
         curve = read_speed_curve(folder, manifest)
         calibration = read_calibration(folder, manifest.gamma)
+        threads = threads or os.cpu_count() or 1
         target, drafter = open_graphs(folder, manifest, manifest.backend if backend == "auto" else backend, threads,
                                       providers, shared_pool)
-        engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration)
-        if profile and drafter is not None and not engine.has_speed_curve:
-            print(f"profiling {folder.name} once (hardware_curve.json)...", file=sys.stderr)
-            engine.profile()
+        here = machine(threads, providers or ["CPUExecutionProvider"], shared_pool)
+        engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
+                     here)
+        elsewhere = curve is not None and curve.get("machine") != here
+        if drafter is not None and (curve is None or elsewhere):
+            where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve)}"
+            if profile:
+                print(f"profiling {folder.name} {where} (the speed curve the draft scheduler runs on; a few "
+                      "seconds)...", file=sys.stderr)
+                engine.profile()
+            elif elsewhere:
+                print(f"warning: {HARDWARE_CURVE} of {folder.name} was measured {_described(curve)}; `sync` and "
+                      "`async` schedule from it until `dspark-run profile` measures this one", file=sys.stderr)
         return engine
 
     # ---- what tools read and set ----------------------------------------------------------------
@@ -200,11 +215,12 @@ class Engine:
         paper."""
         self.core.draft_gate = enabled
 
-    def profile(self, context: int = 256, repeats: int = 7, progress=None) -> dict:
-        """Measure the speed curve, write hardware_curve.json and use it (call while the engine is idle)."""
+    def profile(self, context: int = 256, rounds: int = 5, progress=None) -> dict:
+        """Measure the speed curve in `rounds` interleaved rounds, write hardware_curve.json and use it (call while
+        the engine is idle)."""
         from dspark_runtime.profiling import profile
 
-        curve = profile(self.core, self.folder, context, repeats, progress)
+        curve = profile(self.core, self.folder, self.machine, context, rounds, progress)
         self.core.set_curve(SpeedCurve.from_json(curve))
         return curve
 
@@ -365,6 +381,14 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _described(curve: dict) -> str:
+    """Where a speed curve was measured, for a message."""
+    record = curve.get("machine")
+    if not isinstance(record, dict):
+        return "by an older DSpark that did not record the machine"
+    return f"on {record.get('cpu')} with {record.get('threads')} thread(s), not on this machine and thread count"
 
 
 def _demo_engine() -> Path:

@@ -1,16 +1,21 @@
 """`dspark-run profile`: measure t_target(B) and t_draft(R) on this machine and write hardware_curve.json.
 
 SPS(B; R) = 1 / (t_draft(R) + t_target(B)) then drives the `sync` and `async` schedulers. The target is
-timed with B new tokens spread over min(B, S) requests, each with `context` cached positions (every B up to
-16, then every 8th, interpolated between); the drafter with R requests, each bringing a few new context
-positions, and once with many more, for the cost of each further position (what a drafter call pays to
-catch up after steps that did not draft).
+timed with B new tokens spread over min(B, S) requests, each with `context` cached positions, for every B a
+decoding step can send (S requests x (γ + 1) tokens; every B up to 16, then every 8th, interpolated between);
+the drafter with R requests, each bringing a few new context positions, and once with many more, for the cost
+of each further position (what a drafter call pays to catch up after steps that did not draft). Every size is
+timed in interleaved rounds with robust statistics (`dspark_calibration.timing`). The file records the machine
+it was measured on (`machine()`), so that an engine moved to another machine, or run with another thread
+count, is profiled again instead of scheduled from another machine's costs.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +32,31 @@ def target_sizes(limit: int, dense: int = 16, step: int = 8) -> list[int]:
     """Batch sizes whose target step is timed: every one up to `dense`, then every `step`-th and the last;
     the curve in between is interpolated (it is smooth there, and this keeps first-use profiling short)."""
     return sorted(set(range(1, min(dense, limit) + 1)) | set(range(dense, limit + 1, step)) | {limit})
+
+
+def decode_tokens(core: EngineCore) -> int:
+    """The most tokens a decoding step sends: every slot's anchor and γ drafts (prefill chunks are not scheduled)."""
+    return min(core.manifest.max_batch_tokens, core.manifest.cache_slots * (core.gamma + 1))
+
+
+def machine(threads: int, providers: list[str], shared_pool: bool = False) -> dict:
+    """What a speed curve depends on besides the engine: the processor, its cores, the threads and their pool
+    (the process's shared pool keeps spinning between runs: a step costs less), the runtime."""
+    import onnxruntime
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
+            "thread_pool": "shared" if shared_pool else "per-session", "provider": providers[0],
+            "onnxruntime": onnxruntime.__version__}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -68,32 +98,35 @@ def drafter_feeds(
     return batch.feeds(core.drafter.io)
 
 
-def profile(core: EngineCore, folder: Path, context: int = 256, repeats: int = 7,
+def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,
             progress: Callable[[str, int], None] | None = None) -> dict:
-    """Measure both tables and write `hardware_curve.json` into the engine directory."""
+    """Measure both tables in `rounds` interleaved rounds and write `hardware_curve.json` into the engine
+    directory, with `machine_record` (`machine()`) and the largest spread between rounds of each table."""
     manifest = core.manifest
     context = min(context, manifest.max_context - manifest.max_batch_tokens - core.gamma - 1)
     context = max(context, 0)
-    sizes = target_sizes(manifest.max_batch_tokens)
-    measured = cost_table(sizes, lambda b: lambda: core.target.run(target_feeds(core, b, context)), repeats,
-                          progress and (lambda n: progress("target", n)))
-    target = np.interp(np.arange(1, manifest.max_batch_tokens + 1), sizes, measured)
-    draft, per_row = np.zeros(manifest.cache_slots), 0.0
+    sizes = target_sizes(decode_tokens(core))
+    target = cost_table(sizes, lambda b: lambda: core.target.run(target_feeds(core, b, context)), rounds,
+                        progress=progress and (lambda n: progress("target", n)))
+    draft_seconds, draft_spread, per_row = np.zeros(manifest.cache_slots), 0.0, 0.0
     if core.gamma:
         draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: core.drafter.run(drafter_feeds(core, r, context)), repeats,
-                           progress and (lambda n: progress("drafter", n)))
+                           lambda r: lambda: core.drafter.run(drafter_feeds(core, r, context)), rounds,
+                           progress=progress and (lambda n: progress("drafter", n)))
+        draft_seconds, draft_spread = draft.seconds, float(draft.spreads.max())
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
         feeds = drafter_feeds(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
-        long = median_seconds(lambda: core.drafter.run(feeds), repeats)
-        per_row = max(0.0, float(long - draft[requests - 1]) / (extra * requests))
+        long = median_seconds(lambda: core.drafter.run(feeds), 3 * rounds)
+        per_row = max(0.0, float(long - draft_seconds[requests - 1]) / (extra * requests))
     curve = {
-        "target_seconds": [round(float(t), 7) for t in target],
-        "draft_seconds": [round(float(t), 7) for t in draft],
+        "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, target.seconds)],
+        "draft_seconds": [round(float(t), 7) for t in draft_seconds],
         "draft_seconds_per_context_row": round(per_row, 9),
+        "spread": {"target": round(float(target.spreads.max()), 3), "drafter": round(draft_spread, 3)},
         "context": context,
-        "repeats": repeats,
+        "rounds": rounds,
+        "machine": machine_record,
         "measured": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     (folder / HARDWARE_CURVE).write_text(json.dumps(curve, indent=1) + "\n")

@@ -15,6 +15,7 @@ then the top K by current a (no stop needed). A global search without the stop i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -56,9 +57,13 @@ class SpeedCurve:
         """SPS(B; R) for B = `tokens` (an int or an array)."""
         return 1.0 / (self.draft_time(requests, context_rows) + self._lookup(self.target_seconds, tokens))
 
+    def target_time(self, tokens: int) -> float:
+        """t_target(B) for B = `tokens`."""
+        return float(self._lookup(self.target_seconds, tokens))
+
     def plain_steps_per_second(self, tokens: int) -> float:
         """Steps per second when nothing was drafted: the target alone."""
-        return float(1.0 / self._lookup(self.target_seconds, tokens))
+        return 1.0 / self.target_time(tokens)
 
 
 def candidates(survival: np.ndarray) -> list[tuple[float, int, int]]:
@@ -128,36 +133,71 @@ class AsyncScheduler:
 
 
 class DraftGate:
-    """Whether the next step drafts at all for `sync`/`async` requests.
+    """Whether the next step drafts at all for `sync`/`async` requests, so that where drafting does not pay they
+    cost no more than `off` plus a bounded share.
 
-    SPS(B; R) charges every speculative step the drafter's t_draft(R) (with the catch-up of the context it
-    has not read yet), while a step with nothing drafted costs only t_target(R). After each step the gate
-    compares the best expected throughput of drafting (the greedy path over each request's latest prefix
-    survivals, searched globally as for `async`) with R·SPS_plain(R), and drafts only when drafting wins.
-    While it does not, it still drafts after `probe` plain steps, doubling the wait up to `max_probe` while
-    drafting keeps losing, so the survivals stay current. It decides from finished steps only, so
-    verification stays lossless.
+    SPS(B; R) charges every speculative step the drafter's t_draft(R), while a step with nothing drafted costs
+    only t_target(R). Four rules, all priced from the measured curve and decided from finished steps only (so
+    verification stays lossless):
+    - the load: where even drafts that are always accepted cannot beat plain steps at R requests (the drafter
+      and the longer verification cost more than γ sure tokens save), nothing is drafted and nothing probed;
+    - the survivals: drafting pays when the best expected throughput of the greedy path over each request's
+      latest prefix survivals (searched globally, as for `async`) beats R·SPS_plain(R);
+    - the catch-up: a drafter that has not read the last n target positions must read them first; that one-off
+      cost is paid when the time drafting saves over the requests' remaining tokens exceeds it;
+    - probes: while the survivals say no, a probe (one drafter call, so that they stay current) is paid from
+      a budget of `probe_share` of the plain steps' time, each probe priced at its drafter call (catch-up
+      included) plus the longer verification it brings. Probes cost at most that share of the time.
     """
 
-    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe: int = 4, max_probe: int = 128):
-        self.curve, self.cap = curve, cap
-        self.probe, self.max_probe = probe, max_probe
-        self.wait, self.skipped = probe, 0
-        self.declined: np.ndarray | None = None  # the survivals drafting last lost with
+    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe_share: float = 0.01):
+        self.curve, self.cap, self.probe_share = curve, cap, probe_share
+        self.credit = 0.0  # seconds of probing the budget allows now
+        self.declined: tuple[np.ndarray, ...] | None = None  # the survivals drafting last lost with
+        self.costs: dict[int, _LoadCosts] = {}  # by request count
 
-    def worth_drafting(self, survival: np.ndarray, context_rows: int = 0) -> bool:
-        """`context_rows`: the target positions the drafter has not yet read (its call's catch-up cost)."""
-        requests = survival.shape[0]
-        # the same survivals that lost before lose again: the catch-up only grows while nothing is drafted
-        same = self.declined is not None and self.declined.shape == survival.shape and \
-            np.array_equal(self.declined, survival)
-        if not same and path_throughputs(survival, self.curve, self.cap, context_rows).max() > \
-                requests * self.curve.plain_steps_per_second(requests):
-            self.wait, self.skipped, self.declined = self.probe, 0, None
-            return True
-        self.declined = survival
-        self.skipped += 1
-        if self.skipped <= self.wait:
+    def _costs(self, requests: int) -> _LoadCosts:
+        costs = self.costs.get(requests)
+        if costs is None:
+            curve, plain = self.curve, requests * self.curve.plain_steps_per_second(requests)
+            sure = np.ones((requests, self.cap or len(curve.target_seconds)))
+            longer = curve.target_time(2 * requests) - curve.target_time(requests)
+            costs = self.costs[requests] = _LoadCosts(plain, path_throughputs(sure, curve, self.cap).max() > plain,
+                                                      curve.draft_time(requests) + longer)
+        return costs
+
+    def worth_drafting(self, survivals: Sequence[np.ndarray], context_rows: int = 0, remaining: int = 0) -> bool:
+        """`survivals`: each request's latest prefix survivals (the same objects while they have not changed);
+        `context_rows`: the target positions the drafter has not yet read; `remaining`: the tokens the requests
+        may still generate (what a catch-up is paid back over). Called every step: cheap when nothing changed."""
+        requests = len(survivals)
+        costs = self._costs(requests)
+        if not costs.can_pay:
             return False
-        self.skipped, self.wait = 0, min(2 * self.wait, self.max_probe)
+        per_row = self.curve.draft_seconds_per_context_row
+        catch_up = per_row * max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
+        # the same survivals that lost before lose again: the catch-up only grows while nothing is drafted
+        declined = self.declined
+        same = declined is not None and len(declined) == requests and all(a is b for a, b in zip(declined, survivals))
+        if not same:
+            steady = path_throughputs(np.stack(survivals), self.curve, self.cap).max()
+            if steady > costs.plain and remaining * (1 / costs.plain - 1 / steady) >= catch_up:
+                self.declined = None
+                return True
+            self.declined = tuple(survivals)
+        probe = costs.probe + catch_up
+        self.credit = min(self.credit + self.probe_share * requests / costs.plain, probe)
+        if self.credit < probe:
+            return False
+        self.credit -= probe
         return True  # a probe
+
+
+@dataclass(frozen=True)
+class _LoadCosts:
+    """What the gate prices at one request count: plain steps' throughput, whether sure drafts would beat it, and a
+    probe's cost before catch-up (its drafter call and the longer verification it brings)."""
+
+    plain: float
+    can_pay: bool
+    probe: float

@@ -48,6 +48,27 @@ def tiny_checkpoint(tmp_path: Path) -> Path:
     return write_hf_checkpoint(tmp_path / "tiny")
 
 
+@pytest.fixture
+def tiny_target(tmp_path):
+    """A tiny random target with its own 300-token tokenizer."""
+    pytest.importorskip("torch")
+    from dspark_export.demo.tokenizer import train_tokenizer
+
+    folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, vocab_size=300)
+    train_tokenizer(
+        ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there!"] * 30, folder, vocab_size=300
+    )
+    return folder
+
+
+def write_sequences(file, count=12, length=24):
+    """A distillation file of `count` random sequences of `length` tokens, the first 6 of each the prompt."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(4, 290, size=count * length).astype(np.uint16)
+    np.savez(file, tokens=tokens, starts=np.arange(count) * length, lengths=np.full(count, length, dtype=np.int32),
+             prompt_lengths=np.full(count, 6, dtype=np.int32))
+
+
 def write_drafter(target_folder, out, **overrides):
     """A randomly initialised drafter for the target in `target_folder` (DSpark, one layer, γ = 3 by default)."""
     from dspark_export.config import Qwen3Config
@@ -64,12 +85,14 @@ def write_drafter(target_folder, out, **overrides):
 
 
 def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 1.0, context: int = 64,
-                      flat_curve: bool = False, weights: str = "fp32", accuracy_level: int = 4):
+                      flat_curve: bool = False, weights: str = "fp32", accuracy_level: int = 4,
+                      draft_vocab: int | None = None):
     """Positive control: with every layer's output projection zeroed, target and drafter both map a token
     to argmax E·norm(e_x); the drafter's first slot (the anchor's) always matches, later slots (MASK) rarely.
     A non-zero `markov_scale` gives the drafter a random Markov bias, so its distribution differs from p;
     `embedding_scale` sharpens both distributions (larger logits); `flat_curve` writes a stand-in
-    hardware_curve.json so that loading skips profiling; `weights` quantizes the target (int8, int4)."""
+    hardware_curve.json so that loading skips profiling; `weights` quantizes the target (int8, int4); `draft_vocab`
+    prunes the drafter to that many tokens of random frequencies at build."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
@@ -100,12 +123,29 @@ def build_echo_engine(root, markov_scale: float = 0.0, embedding_scale: float = 
             if name == "markov_head.markov_w2.weight":
                 param.normal_(0, markov_scale) if markov_scale else param.zero_()
     save_drafter(drafter, drafter_dir)
+    vocab = None
+    if draft_vocab:
+        from dspark_export.drafters.draft_vocab import DraftVocab
+
+        (root / "counts.json").write_text(json.dumps(np.random.default_rng(0).integers(0, 1000, 300).tolist()))
+        vocab = DraftVocab(draft_vocab, (root / "counts.json",))
     engine_dir = build_engine(resolve_target(None, target), root / "engine", drafter_dir, "echo", cache_slots=8,
-                              show_progress=False, weights=WeightFormat(weights, accuracy_level=accuracy_level))
+                              show_progress=False, weights=WeightFormat(weights, accuracy_level=accuracy_level),
+                              draft_vocab=vocab)
     if flat_curve:
-        curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
-        (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))
+        write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
     return engine_dir
+
+
+def write_curve(folder: Path, target_seconds: list[float], draft_seconds: list[float], threads: int = 1,
+                shared_pool: bool = False) -> None:
+    """A stand-in hardware_curve.json, recorded as measured on this machine with `threads` threads (so that
+    `Engine.load` with those threads schedules from it instead of profiling again)."""
+    from dspark_runtime.profiling import machine
+
+    curve = {"target_seconds": target_seconds, "draft_seconds": draft_seconds,
+             "machine": machine(threads, ["CPUExecutionProvider"], shared_pool)}
+    (folder / "hardware_curve.json").write_text(json.dumps(curve))
 
 
 # ---- losslessness: the target graph's exact joint of the first two tokens, and sampled pairs against it ----

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -12,23 +11,7 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
-from tests.conftest import write_hf_checkpoint  # noqa: E402
-
-
-@pytest.fixture
-def tiny_target(tmp_path):
-    folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, vocab_size=300)
-    train_tokenizer(
-        ["def add(a, b):\n    return a + b\n", "The answer is 42.", "Hello there!"] * 30, folder, vocab_size=300
-    )
-    return folder
-
-
-def write_sequences(file, count=12, length=24):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(4, 290, size=count * length).astype(np.uint16)
-    np.savez(file, tokens=tokens, starts=np.arange(count) * length, lengths=np.full(count, length, dtype=np.int32),
-             prompt_lengths=np.full(count, 6, dtype=np.int32))
+from tests.conftest import write_hf_checkpoint, write_sequences  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])

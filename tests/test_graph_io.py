@@ -84,8 +84,8 @@ def test_every_drafter_kind_profiles_and_runs_the_scheduled_modes(tmp_path, targ
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, kind, cache_slots=2,
                           max_batch_tokens=16, show_progress=False)
     with Engine.load(folder, threads=1, profile=False) as engine:
-        curve = engine.profile(context=8, repeats=1)
-        assert len(curve["target_seconds"]) == 16 and len(curve["draft_seconds"]) == 2
+        curve = engine.profile(context=8, rounds=1)
+        assert len(curve["target_seconds"]) == 2 * (engine.gamma + 1) and len(curve["draft_seconds"]) == 2
         plain = engine.generate("def add(", GREEDY, spec="off").token_ids
         assert [engine.generate("def add(", GREEDY, spec=spec).token_ids for spec in ("fixed:3", "sync", "async")] == [
             plain

@@ -20,7 +20,7 @@ from dspark_export.drafters.bundled import resolve_drafter
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.presets import resolve_target
 from dspark_runtime import Engine, SamplingParams
-from tests.conftest import SAMPLES, TEXT, drafter_feeds, exact_joint, p_value, sample_pairs
+from tests.conftest import SAMPLES, TEXT, drafter_feeds, exact_joint, p_value, sample_pairs, write_curve
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 PROMPTS = ["def add(a, b):", "The answer is", "Hello there"]
@@ -45,8 +45,7 @@ def convert(drafter: str, layout: str, out: Path, *target: str) -> Path:
 
 def generate(engine_dir: Path, params: SamplingParams, spec: str) -> list[tuple[list[int], int, int]]:
     """(tokens, rounds, accepted drafts) of each prompt; fixed modes need no hardware curve, so none is measured."""
-    curve = {"target_seconds": [0.001] * 256, "draft_seconds": [0.001] * 8}
-    (engine_dir / "hardware_curve.json").write_text(json.dumps(curve))
+    write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
     with Engine.load(engine_dir, threads=1) as engine:
         results = [engine.submit(engine.tokenizer.encode(p), params, spec=spec).result() for p in PROMPTS]
     return [(r.token_ids, r.stats["rounds"], round(r.stats["accepted_per_step"] * r.stats["rounds"])) for r in results]

@@ -6,7 +6,6 @@ the target)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -16,7 +15,7 @@ from dspark_runtime import Engine, SamplingParams
 torch = pytest.importorskip("torch")
 pytest.importorskip("scipy.stats")
 
-from tests.conftest import SAMPLES, build_echo_engine, exact_joint, p_value, sample_pairs  # noqa: E402
+from tests.conftest import SAMPLES, build_echo_engine, exact_joint, p_value, sample_pairs, write_curve  # noqa: E402
 
 # three tokens, so that the second is produced by verifying a draft (a last token needs no draft)
 SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
@@ -24,11 +23,13 @@ SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
             "T1-topk20": SamplingParams(max_tokens=3, temperature=1.0, top_k=20, ignore_eos=True)}
 
 
-@pytest.fixture(scope="module", params=["fp32", "int4"])
+@pytest.fixture(scope="module", params=["fp32", "int4", "fp32-draft-vocab-220"])
 def skewed_engine_dir(tmp_path_factory, request):
-    """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p."""
+    """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p; the
+    third drafts over 220 of the 300 tokens only (chosen by random frequencies), so q is 0 on tokens p can take."""
+    weights, _, vocab = request.param.partition("-draft-vocab-")
     return build_echo_engine(tmp_path_factory.mktemp(f"skewed-{request.param}"), markov_scale=0.3, embedding_scale=5.0,
-                             weights=request.param)
+                             weights=weights, draft_vocab=int(vocab) if vocab else None)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -58,11 +59,7 @@ def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec
     decoding in lockstep, only the four most confident drafts fit, so some requests verify a draft and others not."""
     folder = tmp_path / "engine"
     shutil.copytree(skewed_engine_dir, folder)
-    curve = {
-        "target_seconds": [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)],
-        "draft_seconds": [0.0001] * 8,
-    }
-    (folder / "hardware_curve.json").write_text(json.dumps(curve))
+    write_curve(folder, [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)], [0.0001] * 8)
     params = SETTINGS["T1"]
     with Engine.load(folder, threads=1) as engine:
         prompt = engine.tokenizer.encode("Hello there")

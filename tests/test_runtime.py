@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from dspark_export.build import build_engine  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
-from tests.conftest import TEXT, build_echo_engine, write_drafter, write_hf_checkpoint  # noqa: E402
+from tests.conftest import TEXT, build_echo_engine, write_curve, write_drafter, write_hf_checkpoint  # noqa: E402
 
 PROMPTS = ["def add(", "The answer", "Hello", "def f(x):\n    return", "Hello there, friend! The"]
 
@@ -247,10 +247,11 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
     from dspark_runtime.cli import main
 
     engine_dir = build_echo_engine(tmp_path_factory.mktemp("scheduled"))
-    result = CliRunner().invoke(main, ["profile", str(engine_dir), "--repeats", "1", "--threads", "1"])
+    result = CliRunner().invoke(main, ["profile", str(engine_dir), "--rounds", "2", "--threads", "1"])
     assert result.exit_code == 0, result.output
     curve = json.loads((engine_dir / "hardware_curve.json").read_text())
-    assert len(curve["target_seconds"]) == 256 and np.all(np.diff(curve["target_seconds"]) >= 0)
+    assert len(curve["target_seconds"]) == 8 * (3 + 1) and np.all(np.diff(curve["target_seconds"]) >= 0)
+    assert curve["machine"]["threads"] == 1 and "spread between rounds" in result.output
     assert len(curve["draft_seconds"]) == 8 and curve["draft_seconds_per_context_row"] >= 0
     with Engine.load(engine_dir, threads=1) as engine:
         for prompt in PROMPTS[:3]:
@@ -266,8 +267,7 @@ def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves
     shutil.copytree(echo_engine_dir, folder)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for draft_seconds, most_steps_draft in ((0.01, False), (0.0, True)):
-        curve = {"target_seconds": [0.001] * 256, "draft_seconds": [draft_seconds] * 8}
-        (folder / "hardware_curve.json").write_text(json.dumps(curve))
+        write_curve(folder, [0.001] * 256, [draft_seconds] * 8)
         with Engine.load(folder, threads=1) as engine:
             plain = engine.generate(PROMPTS[0], params, spec="off").token_ids
             for spec in ("sync", "async"):

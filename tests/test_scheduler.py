@@ -56,16 +56,29 @@ def test_async_uses_capacity_from_two_steps_earlier():
     assert scheduler.schedule(confident).sum() == capacity(hopeless, curve)
 
 
-def test_gate_drafts_only_when_drafting_pays_and_probes_with_backoff():
+def test_gate_drafts_only_when_drafting_pays_and_bounds_what_probes_cost():
     survival = np.cumprod(np.full((2, 3), 0.8), axis=1)  # a = .8, .64, .512 for each of two requests
     target = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # flat: verifying is free
     # Θ with all six drafts: (2 + 2·1.952) / (t_draft + 1); without drafting: 2 / 1
     assert path_throughputs(survival, SpeedCurve(target, np.array([1.0, 1.0]))).max() == pytest.approx(5.904 / 2)
     assert DraftGate(SpeedCurve(target, np.array([1.0, 1.0]))).worth_drafting(survival)
-    costly = DraftGate(SpeedCurve(target, np.array([2.0, 2.0])), probe=2, max_probe=4)  # 5.904 / 3 < 2
-    decisions = [costly.worth_drafting(survival) for _ in range(12)]
-    # two plain steps, a probe, then four (the wait doubles), a probe, then four again (capped)
-    assert decisions == [False, False, True, False, False, False, False, True, False, False, False, False]
+    # 5.904 / 3 < 2 loses; sure drafts would win (8 / 3 > 2), so the gate probes, each probe priced at its drafter
+    # call (2) and the longer verification (t(4) - t(2) = 0), paid from 10% of the plain steps' time (0.1 a step)
+    costly = DraftGate(SpeedCurve(target, np.array([2.0, 2.0])), probe_share=0.1)
+    decisions = [costly.worth_drafting(survival) for _ in range(60)]
+    assert [i for i, probe in enumerate(decisions) if probe] == [19, 39, 59]
+    # a drafter that costs more than γ sure tokens save at this load: never drafted, never probed
+    hopeless = DraftGate(SpeedCurve(target, np.array([9.0, 9.0])), probe_share=0.1)
+    assert not any(hopeless.worth_drafting(np.ones((2, 3))) for _ in range(100))
+
+
+def test_gate_pays_a_catch_up_only_when_the_remaining_tokens_repay_it():
+    """A drafter that has not read the last 200 positions must read them first (0.01 each: 2 seconds); drafting
+    saves 1/2 - 1/5.904 (0.33 seconds) a token here, so 5 remaining tokens do not repay it and 7 do."""
+    curve = SpeedCurve(np.ones(8), np.array([0.0, 0.0]), draft_seconds_per_context_row=0.01)
+    survival = np.cumprod(np.full((2, 3), 0.8), axis=1)
+    assert not DraftGate(curve).worth_drafting(survival, context_rows=206, remaining=5)
+    assert DraftGate(curve).worth_drafting(survival, context_rows=206, remaining=7)
 
 
 # ---- Appendix A (R = 1, γ = 2): scheduler decisions that peek at x1 break losslessness ------------

@@ -1,4 +1,5 @@
-"""Self-distillation sequences (written by `dspark_export.demo.distill`) as padded training batches."""
+"""Self-distillation sequences (written by `dspark_export.demo.distill`) as padded training batches (torch is
+needed for the batches only)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dspark_export.errors import CheckpointError
 
@@ -39,12 +39,19 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def generated(self) -> np.ndarray:
+        """The tokens the target generated (what a drafter learns to draft), back to back."""
+        return np.concatenate([self.tokens[start + prompt : start + length] for start, length, prompt
+                               in zip(self.starts, self.lengths, self.prompt_lengths)] or [self.tokens[:0]])
+
     def usable(self) -> np.ndarray:
         """Indices of sequences with at least one anchor (two generated tokens)."""
         return np.flatnonzero(self.lengths - np.maximum(self.prompt_lengths, 2) >= 1)
 
-    def batch(self, indices: np.ndarray, max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded tokens [B, T] (T <= max_length, pad 0), lengths [B], first supervised position [B]."""
+    def batch(self, indices: np.ndarray, max_length: int):
+        """Padded tokens [B, T] (T <= max_length, pad 0), lengths [B], first supervised position [B] (torch)."""
+        import torch
+
         lengths = np.minimum(self.lengths[indices], max_length)
         tokens = np.zeros((len(indices), int(lengths.max())), dtype=np.int64)
         for row, (index, length) in enumerate(zip(indices, lengths)):

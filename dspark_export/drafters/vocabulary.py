@@ -18,6 +18,11 @@ class DraftVocabulary(nn.Module):
         if self.config.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.zeros(self.config.draft_vocab_size, dtype=torch.long))
 
+    def draft_from(self, target_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Draft over `target_ids` (ascending): `d2t` maps them, the LM head is the target's rows for them."""
+        self.d2t.copy_(target_ids - torch.arange(len(target_ids)))
+        self.lm_head.weight.data.copy_(target_lm_head[target_ids])
+
     def target_ids(self) -> torch.Tensor | None:
         """The target id of every draft-vocabulary id (None: the draft vocabulary is the target's)."""
         if self.config.draft_vocab_size is None:

@@ -46,7 +46,7 @@ def head_fields(source: DrafterSource) -> dict[str, Any]:
 
 def own_tensors(source: DrafterSource) -> dict[str, tuple[np.ndarray, str]]:
     """Every tensor the drafter stores (the ones it shares with the target excluded), by our names."""
-    return {name: source.read(name) for name in sorted(source.tensors) if name not in source.config.shared_names()
+    return {name: source.read(name) for name in source.names() if name not in source.config.shared_names()
             and name not in ("t2d", "d2t")}
 
 

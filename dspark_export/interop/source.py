@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -44,9 +44,16 @@ class DrafterSource:
     tensors: dict[str, TensorInfo]  # by our names
     rows: dict[str, int] = field(default_factory=dict)  # tensors cut or zero-padded to this many rows
     identity_d2t: bool = False  # a draft vocabulary that is the first rows of the target's (padding differs)
+    derived: dict[str, Callable[[], tuple[np.ndarray, str]]] = field(default_factory=dict)  # made, not stored
+
+    def names(self) -> list[str]:
+        """Every tensor this view has, stored or derived (a draft vocabulary's pruned tables and `d2t`)."""
+        return sorted(set(self.tensors) | set(self.derived))
 
     def read(self, name: str) -> tuple[np.ndarray, str]:
         """One tensor by our name: a memory map (bfloat16 as uint16 bits), rows fitted to the target."""
+        if name in self.derived:
+            return self.derived[name]()
         if name == "d2t" and self.identity_d2t:
             return np.zeros(self.config.draft_vocab_size, np.int64), "int64"
         info = self.tensors.get(name)
