@@ -43,10 +43,11 @@ class CostTable:
 
 def cost_table(sizes: Sequence[int], make_call: Callable[[int], Callable[[], object]], rounds: int = 5,
                repeats: int = 3, noisy: float = 0.25, retries: int = 2,
-               progress: Callable[[int], None] | None = None) -> CostTable:
+               progress: Callable[[int], None] | None = None, timer=median_seconds) -> CostTable:
     """Median seconds of `make_call(n)()` for every n in `sizes`, timed in `rounds` interleaved rounds of
-    `repeats` calls each (a round's figure is the median of its calls); a size whose rounds spread by more than
-    `noisy` gets another `rounds` rounds, up to `retries` times. `progress(n)` after each size's first rounds."""
+    `repeats` calls each (a round's figure is `timer(call, repeats, warmup=0)`, the median of its calls); a size
+    whose rounds spread by more than `noisy` gets another `rounds` rounds, up to `retries` times. `progress(n)`
+    after each size's first rounds."""
     calls = [make_call(size) for size in sizes]
     for call in calls:  # warm-up: first runs allocate
         call()
@@ -56,7 +57,7 @@ def cost_table(sizes: Sequence[int], make_call: Callable[[int], Callable[[], obj
         for round_ in range(rounds):
             shift = round_ % len(indices)  # each round starts elsewhere, so no size always follows the same one
             for index in indices[shift:] + indices[:shift]:
-                samples[index].append(median_seconds(calls[index], repeats, warmup=0))
+                samples[index].append(timer(calls[index], repeats, warmup=0))
                 if progress and round_ == rounds - 1:
                     progress(sizes[index])
 

@@ -86,7 +86,8 @@ def draft_vocab_options(command):
     options = [
         click.option("--draft-vocab", type=click.IntRange(min=1), default=None,
                      help="Draft over the N most frequent target tokens only (a smaller output layer and Markov head; "
-                          "lossless either way)."),
+                          "lossless either way). build: ONNX Runtime engines default to half the vocabulary (at most "
+                          "32768) where the drafter's or target's folder holds token_counts.json."),
         click.option("--draft-vocab-counts", type=click.Path(dir_okay=False, exists=True), multiple=True,
                      help="Token frequencies for --draft-vocab: distillation .npz files or a .json of counts per "
                           "token id (repeatable)."),
@@ -100,6 +101,15 @@ def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_lev
     """--weights (default: the --dtype's float format) as a WeightFormat."""
     return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size,
                         accuracy_level)
+
+
+def weight_formats(text: str) -> list[str]:
+    """A comma-separated list of fp32, int8, int4 (each once)."""
+    names = [name.strip() for name in text.split(",")]
+    bad = [name for name in names if name not in ("fp32", "int8", "int4")]
+    if bad or len(set(names)) != len(names):
+        raise click.BadParameter(f"{text!r}: name fp32, int8 or int4, each at most once", param_hint="--target-weights")
+    return names
 
 
 def default_to_demo(target: str | None, target_path: str | None) -> tuple[str | None, str | None]:
@@ -183,6 +193,16 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores; 1 lets runs share)."
 )
+@click.option(
+    "--init", "init_from", default=None,
+    help="Start from this drafter (folder or bundled name): its architecture and weights; the architecture options "
+         "are ignored.",
+)
+@click.option(
+    "--target-weights", default="fp32", show_default=True,
+    help="Distil from the target at these weight formats, in turn (e.g. fp32,int4: the features and outputs of both "
+         "engines the drafter will run beside).",
+)
 @draft_vocab_options
 def train(
     target,
@@ -202,6 +222,8 @@ def train(
     until,
     save_dtype,
     threads,
+    init_from,
+    target_weights,
     draft_vocab,
 ) -> None:
     """Train a drafter against a frozen target (target features computed online; resumable).
@@ -221,28 +243,36 @@ def train(
 
     from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter
     from dspark_export.drafters.data import Sequences
-    from dspark_export.drafters.draft_vocab import SOURCE_KEY
+    from dspark_export.drafters.draft_vocab import SOURCE_KEY, token_counts, write_counts
     from dspark_export.drafters.train import DrafterTrainConfig, new_drafter_config, train_drafter
-    from dspark_export.loading import load_target
+    from dspark_export.loading import load_drafters, load_target
     from dspark_export.presets import resolve_target
 
     spec = resolve_target(*default_to_demo(target, target_path))
+    formats = weight_formats(target_weights)
     model, tokenizer = load_target(spec)
     layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
-    config = new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma, markov_rank, layers_list)
+    start = init_from and load_drafters(spec, model, tokenizer, [init_from])[init_from]
+    config = start.config if start else new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma,
+                                                           markov_rank, layers_list)
+    config = dataclasses.replace(config, extra=config.extra | {"distilled_from": target_weights})
     if draft_vocab is not None:
         draft_vocab = dataclasses.replace(draft_vocab, counts=draft_vocab.counts or tuple(map(Path, data)))
         ids, origin = draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size)
         config = dataclasses.replace(config, draft_vocab_size=len(ids), own_lm_head=True,
                                      extra=config.extra | {SOURCE_KEY: origin})
     drafter = build_drafter(config)
+    if start:
+        drafter.load_state_dict(start.state_dict())
     attach_target(drafter, model)
     if draft_vocab is not None:
         drafter.draft_from(torch.from_numpy(ids), model.lm_head.weight.detach())
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
-    train_drafter(drafter, model, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
+    targets = [model if name == "fp32" else load_target(spec, weights=name)[0] for name in formats]
+    train_drafter(drafter, targets, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
     if until is None or until >= steps:
         save_drafter(drafter, out, save_dtype)
+        write_counts(Path(out), *token_counts(tuple(map(Path, data)), spec.config.vocab_size, tokenizer.vocab_size))
         click.echo(f"drafter written to {out}")
 
 
@@ -258,10 +288,12 @@ def train(
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="PNG of per-position acceptance curves.")
+@click.option("--target-weights", type=click.Choice(["fp32", "int8", "int4"]), default="fp32", show_default=True,
+              help="The target's weights as an engine of that format holds them.")
 @draft_vocab_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, draft_vocab,
-                     as_json) -> None:
+def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, target_weights,
+                     draft_vocab, as_json) -> None:
     """Measure drafters offline: real drafting and the lossless acceptance rule on target generations.
 
     \b
@@ -277,7 +309,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
     from dspark_export.presets import resolve_target
 
     spec = resolve_target(*default_to_demo(target, target_path))
-    model, tokenizer = load_target(spec)
+    model, tokenizer = load_target(spec, weights=target_weights)
     loaded = load_drafters(spec, model, tokenizer, list(drafters), draft_vocab)
     results = []
     for name, drafter in loaded.items():
@@ -308,7 +340,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
     "--drafter-weights",
     type=click.Choice(WEIGHT_FORMATS),
     default=None,
-    help="Drafter weights (default: int8 on ONNX Runtime, the --dtype's on TensorRT).",
+    help="Drafter weights (default on ONNX Runtime: int4 beside int4 target weights, else int8; TensorRT: fp32).",
 )
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(

@@ -19,13 +19,33 @@ def prompt_of(row: dict) -> Prompt:
 
 def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, concurrency: int) -> dict:
     """All prompts with at most `concurrency` in flight; aggregate and per-request figures."""
+    return _summary(spec, concurrency, *_run(engine, rows, params, spec, concurrency))
+
+
+def run_interleaved(engine: Engine, rows: list[dict], params: SamplingParams, modes: list[str]) -> list[dict]:
+    """One request at a time, every mode on a prompt before the next prompt (the order rotating), so that the
+    machine's drift lands on all modes alike; one figure per mode, as `run_mode` gives it."""
+    parts = {mode: ([], 0.0, dict.fromkeys(engine.step_seconds(), 0.0)) for mode in modes}
+    for index, row in enumerate(rows):
+        shift = index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            results, elapsed, spent = _run(engine, [row], params, mode, 1, first_seed=index)
+            done, total, parts_spent = parts[mode]
+            parts[mode] = (done + results, total + elapsed, {k: parts_spent[k] + spent[k] for k in spent})
+    return [_summary(mode, 1, *parts[mode]) for mode in modes]
+
+
+def _run(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, concurrency: int,
+         first_seed: int = 0) -> tuple[list, float, dict[str, float]]:
+    """(completions, wall seconds, step-loop seconds by part) of the prompts with at most `concurrency` in flight."""
     gate = threading.Semaphore(concurrency)
     results: list = [None] * len(rows)
 
     def worker(index: int) -> None:
         try:
-            seeded = replace(params, seed=index if params.seed is None else params.seed + index)
-            results[index] = engine.generate(prompt_of(rows[index]), seeded, spec=spec, truncate=True)
+            seed = first_seed + index if params.seed is None else params.seed + index
+            results[index] = engine.generate(prompt_of(rows[index]), replace(params, seed=seed), spec=spec,
+                                             truncate=True)
         finally:
             gate.release()
 
@@ -40,7 +60,11 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    spent = {part: seconds - before[part] for part, seconds in engine.step_seconds().items()}
+    return results, elapsed, {part: seconds - before[part] for part, seconds in engine.step_seconds().items()}
+
+
+def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: dict[str, float]) -> dict:
+    """One mode's figures from its completions, its wall time and the step loop's seconds by part."""
     share = {part: spent[part] / spent["step"] if spent["step"] else 0.0 for part in ("schedule", "target", "drafter")}
     generated = sum(len(r.token_ids) for r in results)
     steps = sum(r.stats["steps"] for r in results)
@@ -68,14 +92,16 @@ def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrenc
 
     With `repeats` > 1 the modes run in turn, round after round, and each figure is the median over the
     rounds; a ratio is taken within its round first (`ratio_to_off_by_round`), so that the machine's drift
-    between rounds does not land on one mode.
+    between rounds does not land on one mode. One request at a time, the modes take turns prompt by prompt
+    (`run_interleaved`).
     """
     engine.generate(prompt_of(rows[0]), replace(params, max_tokens=4), spec=modes[0], truncate=True)  # warm-up
     results = []
     for concurrency in concurrencies:
         rounds = []
         for _ in range(repeats):
-            rounds.append([run_mode(engine, rows, params, mode, concurrency) for mode in modes])
+            rounds.append(run_interleaved(engine, rows, params, modes) if concurrency == 1 else
+                          [run_mode(engine, rows, params, mode, concurrency) for mode in modes])
             for result in rounds[-1]:
                 _add_ratios(result, rounds[-1])
                 if progress:

@@ -20,6 +20,7 @@ class ChatSession:
     completion: bool = False  # plain text continuation instead of the chat template
     history: list[dict] = field(default_factory=list)
     last_stats: dict | None = None
+    dropped_tokens: int = 0  # of the last prompt, left out to fit the context
 
     def clear(self) -> None:
         self.history.clear()
@@ -42,6 +43,7 @@ class ChatSession:
     def send(self, user_text: str) -> Iterator[Delta]:
         """Stream the reply; the turn joins the history when it completes (also when interrupted)."""
         request = self.engine.submit(self.prompt_for(user_text), self.params, self.spec, truncate=True)
+        self.dropped_tokens = request.dropped_tokens
         text = []
         try:
             for delta in request:
@@ -50,6 +52,7 @@ class ChatSession:
         finally:
             if request.sequence.finish_reason is None:
                 request.cancel()
+                request.wait(10)  # the step loop ends it within a step: its figures are final then
             if not self.completion:
                 self.history += [
                     {"role": "user", "content": user_text},

@@ -30,7 +30,7 @@ class ChatByDefault(DSparkGroup):
     """`dspark-run [ENGINE_DIR] [options]` is the chat command; subcommands keep their names."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h", "--version")):
             args = ["chat", *args]
         return super().parse_args(ctx, args)
 
@@ -46,10 +46,19 @@ def main() -> None:
 
 
 def summary_line(stats: dict) -> str:
+    """The figures after a reply: τ is tokens per target step; drafts are counted per verification round."""
     return (
-        f"[{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, {stats['accepted_per_step']:.2f} accepted/step, "
-        f"TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, {stats['tokens']} tokens, {stats['finish_reason']}]"
+        f"[{stats['tokens_per_s']:.1f} tok/s, {stats['tau']:.2f} tokens/step, "
+        f"{stats['accepted_per_step']:.2f} drafts accepted/round, TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, "
+        f"{stats['tokens']} tokens, {stats['finish_reason']}]"
     )
+
+
+CHAT_HELP = """/clear  forget the conversation
+/stats  the last reply's figures (JSON)
+/help   this list
+/exit   quit (also /quit, /bye, Ctrl+D)
+Ctrl+C stops a reply; at an empty prompt it says how to quit."""
 
 
 @main.command()
@@ -122,7 +131,7 @@ def chat(
         session = ChatSession(engine, params, spec, system, ctx, completion)
         if prompt is not None:
             text = []
-            for delta in session.send(prompt):
+            for delta in _warned(session, session.send(prompt)):
                 text.append(delta.text)
                 if not as_json:
                     click.echo(delta.text, nl=False)
@@ -136,9 +145,17 @@ def chat(
         _repl(session)
 
 
+def _warned(session, deltas):
+    """The reply's deltas, after a line on stderr when the prompt lost its beginning to fit the context."""
+    for index, delta in enumerate(deltas):
+        if index == 0 and session.dropped_tokens:
+            click.echo(f"warning: the prompt's first {session.dropped_tokens} tokens were left out to fit the "
+                       "context (--ctx and the engine's --max-context set it)", err=True)
+        yield delta
+
+
 def _repl(session) -> None:
-    click.echo("DSpark chat. /clear forgets the conversation, /stats shows the last reply's figures, /exit quits; "
-               "Ctrl+C stops a reply.", err=True)
+    click.echo("DSpark chat. /help lists the commands, /exit quits; Ctrl+C stops a reply.", err=True)
     while True:
         try:
             line = input(">>> ")
@@ -146,7 +163,7 @@ def _repl(session) -> None:
             click.echo()
             return
         except KeyboardInterrupt:
-            click.echo()
+            click.echo("\n(Ctrl+D or /exit quits)", err=True)
             continue
         command = line.strip()
         if command in ("/exit", "/quit", "/bye"):
@@ -158,10 +175,16 @@ def _repl(session) -> None:
         if command == "/stats":
             click.echo(json.dumps(session.last_stats or {}), err=True)
             continue
+        if command in ("/help", "/?"):
+            click.echo(CHAT_HELP, err=True)
+            continue
+        if command.startswith("/") and " " not in command:
+            click.echo(f"unknown command {command}; /help lists the commands", err=True)
+            continue
         if not command:
             continue
         try:
-            for delta in session.send(line):
+            for delta in _warned(session, session.send(line)):
                 click.echo(delta.text, nl=False)
         except KeyboardInterrupt:
             click.echo("\n(interrupted)", err=True)
@@ -237,9 +260,9 @@ def bench(
 
     with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
         report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, repeats)
-    if plot and not plot_frontier(report, plot):
-        click.echo("--plot needs matplotlib (pip install matplotlib)", err=True)
     click.echo(json.dumps(report, indent=None if as_json else 2))
+    if plot and not plot_frontier(report, plot):
+        raise click.ClickException("--plot needs matplotlib: pip install 'dspark[export]' (the figures above stand)")
 
 
 @main.command()

@@ -10,8 +10,17 @@ import click
 from dspark_runtime.errors import DSparkError
 
 
+EXTRAS = {"torch": "export", "matplotlib": "export", "starlette": "serve", "uvicorn": "serve", "tensorrt": "trt",
+          "polygraphy": "trt", "triton": "trt"}  # optional module -> the extra that installs it
+
+
 class DSparkGroup(click.Group):
-    """A click group whose commands report DSparkError as one line (set DSPARK_DEBUG=1 for the traceback)."""
+    """A click group whose commands report DSparkError as one line (set DSPARK_DEBUG=1 for the traceback), as
+    they do a missing optional package (naming the extra that installs it), and that answers `--version`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        click.version_option(package_name="dspark", message="%(prog)s (DSpark) %(version)s")(self)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -20,6 +29,12 @@ class DSparkGroup(click.Group):
             if os.environ.get("DSPARK_DEBUG"):
                 raise
             raise click.ClickException(str(exc)) from None
+        except ModuleNotFoundError as exc:
+            extra = EXTRAS.get((exc.name or "").split(".")[0])
+            if extra is None or os.environ.get("DSPARK_DEBUG"):
+                raise
+            hint = " (torch==2.13.0 first: a bare `torch` is a multi-GB CUDA build)" if extra == "export" else ""
+            raise click.ClickException(f"this command needs {exc.name}: pip install 'dspark[{extra}]'{hint}") from None
 
 
 def prompt_options(command):

@@ -157,11 +157,12 @@ class EngineCore:
         scheduled = [s for s in sequences if s.spec.kind in ("sync", "async")]
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences  # a fixed:K request pays for the drafter call anyway
-        survivals = tuple(self._prior(s, scheduled) if s.survival is None else s.survival for s in scheduled)
-        unread = sum(s.target_len - s.drafter_len for s in scheduled)
-        remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
-        if self.gate.worth_drafting(survivals, unread, remaining):
-            return sequences
+        if self.gate.can_pay(len(scheduled)):
+            survivals = tuple(self._prior(s, scheduled) if s.survival is None else s.survival for s in scheduled)
+            unread = sum(s.target_len - s.drafter_len for s in scheduled)
+            remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
+            if self.gate.worth_drafting(survivals, unread, remaining):
+                return sequences
         for s in scheduled:
             s.drafts = s.draft_probs = s.confidence_logits = None
         return []

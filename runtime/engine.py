@@ -37,7 +37,7 @@ from dspark_runtime.sampling import InvalidRequestError, SamplingParams
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.spec_mode import SpecMode
-from dspark_runtime.tokenizer import ChatTokenizer, chat_messages, checked_text
+from dspark_runtime.tokenizer import ChatTokenizer, TokenizerError, chat_messages, checked_text
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -58,6 +58,7 @@ class Request:
 
     def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState, stream: bool = True):
         self.engine, self.sequence, self.output, self.stream = engine, sequence, output, stream
+        self.dropped_tokens = 0  # the prompt's first tokens left out to fit the context (`truncate=True`)
         self._changed = threading.Condition()
         self._deltas: list[Delta] = []
         self._error: Exception | None = None
@@ -228,8 +229,10 @@ class Engine:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
                truncate: bool = False, stream: bool = True) -> Request:
         """Queue a request; it starts as soon as a cache slot is free. `stream=False` delivers its text in one
-        delta at the end (no per-step work for a caller that only wants the result). Anything wrong with the
-        request raises `InvalidRequestError` here, before it is queued."""
+        delta at the end (no per-step work for a caller that only wants the result). A prompt longer than the
+        context is an error, or with `truncate` loses its beginning, leaving room for min(max_tokens, half the
+        context) of reply (`Request.dropped_tokens` says how many). Anything wrong with the request raises
+        `InvalidRequestError` here, before it is queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -246,12 +249,12 @@ class Engine:
                 f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first"
             )
         ids = self._encode(prompt)
-        limit = self.manifest.max_context - 1
-        if len(ids) > limit:
+        limit, whole = self.manifest.max_context - 1, len(ids)
+        if whole > limit:
             if not truncate:
-                raise InvalidRequestError(f"the prompt has {len(ids)} tokens; this engine's context holds {limit} "
-                                          "(shorten it, or pass truncate=True to keep its end)")
-            ids = ids[-limit:]
+                raise InvalidRequestError(f"the prompt has {whole} tokens; this engine's context holds {limit}: "
+                                          "shorten it")
+            ids = ids[-(limit - min(params.max_tokens, limit // 2)):]  # its end, and room for the reply
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
@@ -262,6 +265,7 @@ class Engine:
             lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream
         )
         request = Request(self, sequence, output, stream)
+        request.dropped_tokens = whole - len(ids)
         with self._lock:
             if self._closed:
                 raise DSparkError("the engine has been shut down")
@@ -303,9 +307,11 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(checked_text(prompt, "the prompt"))
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True)
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True)
+            except TokenizerError as exc:  # the messages ask for what this model's template cannot say
+                raise InvalidRequestError(f"{exc} (this model's chat template)") from None
+            return self.tokenizer.encode(text)
         if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):

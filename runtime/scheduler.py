@@ -150,7 +150,7 @@ class DraftGate:
       included) plus the longer verification it brings. Probes cost at most that share of the time.
     """
 
-    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe_share: float = 0.01):
+    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe_share: float = 0.005):
         self.curve, self.cap, self.probe_share = curve, cap, probe_share
         self.credit = 0.0  # seconds of probing the budget allows now
         self.declined: tuple[np.ndarray, ...] | None = None  # the survivals drafting last lost with
@@ -165,6 +165,11 @@ class DraftGate:
             costs = self.costs[requests] = _LoadCosts(plain, path_throughputs(sure, curve, self.cap).max() > plain,
                                                       curve.draft_time(requests) + longer)
         return costs
+
+    def can_pay(self, requests: int) -> bool:
+        """Whether drafts that are always accepted would beat plain steps at this many requests (else nothing is
+        drafted or probed)."""
+        return self._costs(requests).can_pay
 
     def worth_drafting(self, survivals: Sequence[np.ndarray], context_rows: int = 0, remaining: int = 0) -> bool:
         """`survivals`: each request's latest prefix survivals (the same objects while they have not changed);

@@ -166,7 +166,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
     try:
         from starlette.applications import Starlette
         from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
-        from starlette.requests import Request as HttpRequest
+        from starlette.requests import ClientDisconnect, Request as HttpRequest
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
     except ImportError:
@@ -186,11 +186,14 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         if declared is not None and (not declared.isdigit() or int(declared) > options.max_body_bytes):
             raise HTTPError(413, f"the request body exceeds {options.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > options.max_body_bytes:
-                raise HTTPError(413, f"the request body exceeds {options.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > options.max_body_bytes:
+                    raise HTTPError(413, f"the request body exceeds {options.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # a clean close: nobody is left to read the answer
+            raise HTTPError(400, "the client closed the connection before its body was complete") from None
         return b"".join(chunks)
 
     async def models(request: HttpRequest) -> JSONResponse:

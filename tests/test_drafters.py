@@ -155,7 +155,7 @@ def test_a_few_training_steps_reduce_the_loss(tmp_path, target, kind, head):
     drafter = build_drafter(drafter_config(kind, head))
     attach_target(drafter, target)
     cfg = DrafterTrainConfig(steps=60, batch=8, anchors=6, lr=3e-3, checkpoint_every=60)
-    train_drafter(drafter, target, greedy_sequences(target), tmp_path / "run", cfg, threads=1)
+    train_drafter(drafter, [target], greedy_sequences(target), tmp_path / "run", cfg, threads=1)
     from dspark_export.training import RunFolder
 
     records = RunFolder(tmp_path / "run").records()

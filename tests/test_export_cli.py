@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import numpy as np
 from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
@@ -74,3 +75,60 @@ def test_eval_refuses_a_drafter_of_another_target(tmp_path, tiny_target):
     assert mismatch.exit_code != 0 and "tokens but the model only 100" in mismatch.output
     missing = runner.invoke(main, ["eval", "--target-path", str(tiny_target), "--drafter", "demo-nothing"])
     assert missing.exit_code != 0 and "no bundled drafter 'demo-nothing'" in missing.output
+
+
+def test_train_from_a_drafter_on_the_features_of_fp32_and_int4_targets(tmp_path, tiny_target):
+    write_sequences(tmp_path / "data.npz")
+    runner = CliRunner()
+    common = ["train", "--target-path", str(tiny_target), "--data", str(tmp_path / "data.npz"), "--batch", "2",
+              "--anchors", "2", "--steps", "2"]
+    first = runner.invoke(main, common + ["--out", str(tmp_path / "first"), "--gamma", "3", "--markov-rank", "8"])
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(main, common + ["--out", str(tmp_path / "again"), "--init", str(tmp_path / "first"),
+                                          "--target-weights", "fp32,int4", "--markov-rank", "16"])
+    assert again.exit_code == 0, again.output
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["markov_rank"] == 8 and config["gamma"] == 3  # the architecture is the starting drafter's
+    assert config["extra"]["distilled_from"] == "fp32,int4"
+    counts = json.loads((tmp_path / "again" / "token_counts.json").read_text())
+    assert len(counts["counts"]) == 300 and sum(counts["counts"]) == 12 * 18
+    bad = runner.invoke(main, common + ["--out", str(tmp_path / "bad"), "--target-weights", "int4,int4"])
+    assert bad.exit_code != 0 and "each at most once" in bad.output
+
+
+def test_a_quantized_torch_target_computes_what_the_int4_engine_does(tmp_path, tiny_target):
+    """int4 weights as the graph stores them, float compute (accuracy level 0): the same logits as the engine."""
+    from dspark_export.build import build_engine
+    from dspark_export.graphs.weights import WeightFormat
+    from dspark_export.loading import load_target
+    from dspark_export.presets import resolve_target
+    from dspark_runtime.backend import open_graphs
+    from dspark_runtime.batches import TargetBatch
+    from dspark_runtime.engine_dir import read_manifest
+
+    spec = resolve_target(None, str(tiny_target))
+    engine = build_engine(spec, tmp_path / "engine", weights=WeightFormat("int4", accuracy_level=0), cache_slots=1,
+                          show_progress=False)
+    target, _ = open_graphs(engine, read_manifest(engine), "ort", threads=1)
+    ids = np.arange(10, 40)
+    batch = TargetBatch(ids, np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
+                        np.arange(len(ids)))
+    logits = target.run(batch.feeds(target.io))["logits"]
+    for weights, close in (("int4", True), ("fp32", False)):
+        model, _ = load_target(spec, weights=weights)
+        with torch.no_grad():
+            expected = model(torch.from_numpy(ids)[None]).logits[0].numpy()
+        assert (np.abs(expected - logits).max() < 1e-4) == close
+
+
+def test_a_torch_only_command_without_torch_names_the_extra():
+    import subprocess
+    import sys
+
+    blocked = "import sys; sys.modules['torch'] = None; from dspark_export.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", blocked, "eval", "--drafter", "demo-dspark"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: this command needs torch: pip install 'dspark[export]' (torch==2.13.0 first: a bare `torch` is a "
+        "multi-GB CUDA build)")

@@ -108,10 +108,13 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
         committed = dict(length_now)
 
 
-def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributions(tmp_path):
+def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributions(tmp_path, monkeypatch):
     """The CPU engine's drafter quantizes its projections to int8: drafts move a little, and the graph still
-    returns the distribution each draft was drawn from; an all-greedy call returns none."""
+    returns the distribution each draft was drawn from; an all-greedy call returns none (and, on the candidate
+    route, scores the Markov bias without a vocabulary-sized product)."""
+    from dspark_export.graphs import block_body
 
+    monkeypatch.setattr(block_body, "CANDIDATE_ROUTE_MIN", 0)
     make_drafter(tmp_path, "dspark", "markov")
     folder = tmp_path / "target"
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
@@ -144,10 +147,12 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     assert tokens.shape == (1, GAMMA) and probs.shape == (1, GAMMA, 0)
 
 
+@pytest.mark.parametrize("route", ["candidates", "direct"])
 @pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
-def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_path, monkeypatch, head):
-    """All-greedy CPU calls score the sequential bias on the top base logits only; with every token a
-    candidate, their drafts are the greedy rows' drafts of a call that samples (full-vocabulary argmax)."""
+def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_path, monkeypatch, head, route):
+    """All-greedy CPU calls score the sequential bias on the top base logits only where the bias over the whole
+    vocabulary is large (else directly); with every token a candidate, their drafts are the greedy rows' drafts
+    of a call that samples (full-vocabulary argmax)."""
     from dspark_export.graphs import block_body
 
     make_drafter(tmp_path, "dspark", head)
@@ -155,6 +160,7 @@ def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_
     checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
     config = checkpoint.config
     monkeypatch.setattr(block_body, "GREEDY_CANDIDATES", config.vocab_size)
+    monkeypatch.setattr(block_body, "CANDIDATE_ROUTE_MIN", 0 if route == "candidates" else 1 << 62)
     # float projections, so that no int8 rounding differs between the two paths
     graph = build_drafter_onnx(
         open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "cpu" / "drafter.onnx", greedy_shortcut=True

@@ -135,8 +135,16 @@ def test_bad_requests_fail_alone(engine):
         engine.submit("Hello", GREEDY, spec="sync")
     with pytest.raises(InvalidRequestError, match="unknown speculation mode"):
         engine.submit("Hello", GREEDY, spec="turbo")
-    truncated = engine.generate("Hello " * 80, SamplingParams(max_tokens=2, temperature=0), truncate=True)
-    assert truncated.prompt_tokens == 63
+    kept = engine.submit("Hello " * 80, SamplingParams(max_tokens=2, temperature=0), truncate=True)
+    assert kept.result().prompt_tokens == 61 and kept.dropped_tokens == 240 - 61  # its end, and 2 for the reply
+    long_reply = engine.generate("Hello " * 80, SamplingParams(max_tokens=100, temperature=0), truncate=True)
+    assert long_reply.prompt_tokens == 63 - 31 and len(long_reply.token_ids) > 30  # room for half the context
+    template, engine.tokenizer.chat_template = engine.tokenizer.chat_template, "{{ raise_exception('no tools') }}"
+    try:  # a role the model's template cannot render is the request's fault, not the server's
+        with pytest.raises(InvalidRequestError, match="no tools .this model's chat template"):
+            engine.submit([{"role": "tool", "content": "sunny"}], GREEDY)
+    finally:
+        engine.tokenizer.chat_template = template
     assert running.result().finish_reason == "length"
 
 
@@ -274,6 +282,22 @@ def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves
                 out = engine.generate(PROMPTS[0], params, spec=spec)
                 assert out.token_ids == plain
                 assert (out.stats["rounds"] > out.stats["steps"] // 2) == most_steps_draft, (spec, out.stats)
+
+
+def test_a_curve_from_another_machine_or_thread_count_is_measured_again(echo_engine_dir, tmp_path, capsys):
+    folder = tmp_path / "engine"
+    shutil.copytree(echo_engine_dir, folder)
+    write_curve(folder, [0.001] * 32, [0.001] * 8, threads=2)  # this machine, but two threads
+    with Engine.load(folder, threads=1, profile=False):
+        pass
+    assert "was measured on" in capsys.readouterr().err  # kept, with a warning
+    with Engine.load(folder, threads=1) as engine:
+        assert engine.machine["threads"] == 1
+    assert "profiling engine again" in capsys.readouterr().err
+    assert json.loads((folder / "hardware_curve.json").read_text())["machine"] == engine.machine
+    with Engine.load(folder, threads=1):  # measured here now: used as it is
+        pass
+    assert "profiling" not in capsys.readouterr().err
 
 
 def test_calibrate_command(tmp_path_factory):

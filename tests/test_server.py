@@ -6,6 +6,7 @@ with random aborts after which every slot is free."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import socket
 import threading
@@ -49,6 +50,24 @@ def engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(engine):
     yield from ((url, engine) for url in running(create_app(engine, ServerOptions("echo", max_body_bytes=1 << 20))))
+
+
+def test_a_body_cut_short_by_the_client_is_a_clean_close(server):
+    url, engine = server
+    host, port = url.removeprefix("http://").split(":")
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)  # where uvicorn reports an application's exception
+    try:
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+                           b"application/json\r\nContent-Length: 1000\r\n\r\n" + b'{"prompt": "Hel')
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not errors, [record.getMessage() for record in errors]
+    assert httpx.post(url + "/v1/completions", json=completion(), timeout=30).status_code == 200
 
 
 def wait_idle(engine, seconds: float = 20) -> dict:
@@ -140,6 +159,11 @@ HOSTILE = [  # (route, raw body, expected status, a fragment of the error messag
     ("chat/completions", json.dumps(chat_body([{"type": "text", "text": "Hello"}])).encode(), 200, ""),
     ("chat/completions", json.dumps({"messages": [{"content": "hi"}]}).encode(), 400, "needs a role"),
     ("chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages must be a non-empty list"),
+    ("chat/completions", json.dumps({"messages": [{"role": "developer", "content": "Be brief."},
+                                                 {"role": "user", "content": "Hi"}]}).encode(), 200, ""),
+    ("chat/completions", json.dumps({"messages": [{"role": "user", "content": "Weather?"},
+                                                 {"role": "assistant", "content": "Looking."},
+                                                 {"role": "tool", "content": "sunny"}]}).encode(), 200, ""),
 ]
 
 

@@ -60,8 +60,10 @@ def test_demo_template_two_turns(tmp_path):
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n<think>\ngreet back\n</think>\n\nHello.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    with pytest.raises(TokenizerError, match="unknown role tool"):
-        ChatTokenizer.from_dir(tmp_path).apply_chat_template([{"role": "tool", "content": "x"}])
+    tool = ChatTokenizer.from_dir(tmp_path).apply_chat_template([{"role": "tool", "content": "sunny"}], False)
+    assert tool == "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"  # as Qwen3 renders it
+    with pytest.raises(TokenizerError, match="unknown role function"):
+        ChatTokenizer.from_dir(tmp_path).apply_chat_template([{"role": "function", "content": "x"}])
 
 
 def test_sandbox_blocks_unsafe_templates(qwen3_style_dir):

@@ -5,7 +5,11 @@ saves is the output layer's and the Markov head's rows (7 rows x 151,936 tokens 
 
 The frequencies come from a source the user names, recorded in the drafter's config (and so in the manifest):
 distillation files (`.npz`, the target's own generations: the tokens the drafter learns to draft) or a counts file
-(`.json`: `{"counts": [...]}` or a list, one count per token id of the tokenizer). Numpy only: `build` needs no torch.
+(`.json`: `{"counts": [...]}` or a list, one count per token id of the tokenizer). `train` writes the counts of its
+data beside the drafter (`token_counts.json`), and the bundled demo target carries its own; where a drafter or
+target folder holds one, ONNX Runtime engines draft over `default_size(V)` tokens unless told otherwise (the output
+layer of a CPU drafter is its largest cost at real sizes: 7 rows x 151,936 tokens is two thirds of a Qwen3-0.6B-shaped
+draft call). Numpy only: `build` needs no torch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dspark_export.errors import ConfigError
 from dspark_export.interop.source import OUTPUT_TABLES, DrafterSource
 
 SOURCE_KEY = "draft_vocab_source"  # where a draft vocabulary's frequencies came from, in the config's `extra`
+COUNTS_FILE = "token_counts.json"  # token frequencies kept beside a drafter or a target
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,32 @@ class DraftVocab:
         tokenizer has `tokens` tokens."""
         if not 1 <= self.size <= vocab:
             raise ConfigError(f"--draft-vocab {self.size} must lie in 1..{vocab} (the target's vocabulary)")
+        if self.size == vocab:
+            return np.arange(vocab), "the whole vocabulary"
         if not self.counts:
             raise ConfigError("--draft-vocab needs a frequency source: --draft-vocab-counts FILE (distillation .npz "
                               "files or a .json of counts per token id)")
         counts, origin = token_counts(self.counts, vocab, tokens)
         return most_frequent(counts, self.size), origin
+
+
+def default_size(vocab: int) -> int:
+    """CPU engines draft over half the vocabulary, at most 32,768 tokens (EAGLE-3's and speculators' size for
+    Qwen3's 151,936): on the demo that costs no τ at T=0 and 3% at T=1 (measured; the note on issue 25)."""
+    return min(vocab // 2, 32768)
+
+
+def default_draft_vocab(vocab: int, folders: tuple[Path | None, ...]) -> DraftVocab | None:
+    """The default for a CPU engine: `default_size` tokens by the first `token_counts.json` among `folders`."""
+    for folder in folders:
+        if folder is not None and (Path(folder) / COUNTS_FILE).is_file():
+            return DraftVocab(default_size(vocab), (Path(folder) / COUNTS_FILE,))
+    return None
+
+
+def write_counts(folder: Path, counts: np.ndarray, source: str) -> None:
+    """`token_counts.json` in `folder`: one count per token id, and where they came from."""
+    (Path(folder) / COUNTS_FILE).write_text(json.dumps({"source": source, "counts": counts.astype(int).tolist()}))
 
 
 def token_counts(files: tuple[Path, ...], vocab: int, tokens: int | None) -> tuple[np.ndarray, str]:
@@ -58,13 +84,14 @@ def token_counts(files: tuple[Path, ...], vocab: int, tokens: int | None) -> tup
     try:
         raw = json.loads(Path(files[0]).read_text())
         counts = np.asarray(raw["counts"] if isinstance(raw, dict) else raw, dtype=np.float64)
+        source = raw.get("source", "counts") if isinstance(raw, dict) else "counts"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{files[0]} is not a counts file ({{\"counts\": [...]}}): {exc}") from None
     if counts.ndim != 1 or len(counts) not in {vocab, tokens} or not np.all(np.isfinite(counts)) or counts.min() < 0:
         want = " or ".join(str(n) for n in sorted({vocab, tokens or vocab}))
         raise ConfigError(f"{files[0]} has {counts.size} counts; the target's tokenizer needs {want} non-negative "
                           "counts, one per token id")
-    return np.pad(counts, (0, vocab - len(counts))), f"{names} (counts)"
+    return np.pad(counts, (0, vocab - len(counts))), f"{names} ({source})"
 
 
 def most_frequent(counts: np.ndarray, size: int) -> np.ndarray:
@@ -76,8 +103,11 @@ def most_frequent(counts: np.ndarray, size: int) -> np.ndarray:
 def with_draft_vocab(source: DrafterSource, target: Checkpoint, ids: np.ndarray, origin: str) -> DrafterSource:
     """`source` drafting over the target ids `ids` only: the output tables keep those rows (the LM head is taken
     from the target when the drafter shares it) and `d2t` maps them. A drafter that already drafts over a subset
-    keeps it when the sizes agree and is refused otherwise (its rows for other tokens are gone)."""
+    keeps it when the sizes agree and is refused otherwise (its rows for other tokens are gone); every id of the
+    vocabulary is the drafter as it is."""
     config = source.config
+    if config.draft_vocab_size is None and len(ids) == config.target["vocab_size"]:
+        return source
     if config.draft_vocab_size is not None:
         if config.draft_vocab_size == len(ids):
             return source

@@ -84,11 +84,14 @@ def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generat
     return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
 
 
-def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: DrafterTrainConfig,
+def train_drafter(drafter, targets: list[Qwen3Model], data: Sequences, run: Path, cfg: DrafterTrainConfig,
                   threads: int | None = None, until: int | None = None):
-    """Train (or resume) `drafter` in place; progress on a tqdm bar (loss, running τ) and in `run/log.jsonl`."""
+    """Train (or resume) `drafter` in place; progress on a tqdm bar (loss, running τ) and in `run/log.jsonl`.
+    Step s distils from `targets[s % len(targets)]` (one target, or the same one at several weight formats, so
+    that the drafter reads the features of every engine it will run beside)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    target.eval().requires_grad_(False)
+    for target in targets:
+        target.eval().requires_grad_(False)
     drafter.train_anchors = cfg.anchors
     folder = RunFolder(run)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -108,7 +111,8 @@ def train_drafter(drafter, target: Qwen3Model, data: Sequences, run: Path, cfg: 
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg.steps, cfg.lr, warmup, 0.0)
         with bf16_autocast():
-            terms = drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator)
+            terms = drafter_step_loss(drafter, targets[step % len(targets)], tokens, lengths, supervised_from,
+                                      generator)
         optimizer.zero_grad(set_to_none=True)
         terms["total"].backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -75,6 +75,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
 
 
 GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
+CANDIDATE_ROUTE_MIN = 1 << 22  # drafted vocabulary x Markov rank from which that pays for its TopK (measured)
 
 
 def _sequential_head(
@@ -84,9 +85,10 @@ def _sequential_head(
     the confidence logits of all steps in one product: they need only the hidden state and the previous token.
     `block_hidden` [R, N, H] are the backbone's normed states of all block rows; rows N-γ.. draft.
 
-    CPU graphs draw all-greedy calls from the top `GREEDY_CANDIDATES` base logits of each position: the
-    sequential bias is computed for those tokens only, not the whole vocabulary. A greedy draft is only a
-    guess (greedy verification checks it against the target's argmax), so this changes speed, not output.
+    CPU graphs draw all-greedy calls from the top `GREEDY_CANDIDATES` base logits of each position where the
+    bias over the whole drafted vocabulary is large (`CANDIDATE_ROUTE_MIN`): the sequential bias is computed for
+    those tokens only. A greedy draft is only a guess (greedy verification checks it against the target's
+    argmax), so this changes speed, not output.
     """
     weights, gamma, vocab = ops.weights, config.gamma, config.drafted_vocab
     lead = config.block_rows - gamma
@@ -124,7 +126,8 @@ def _sequential_head(
         return None
 
     def chain(sub: GraphBuilder, sample: bool) -> list[str]:
-        if not sample and sampler.greedy_shortcut and config.head != "none":
+        if not sample and sampler.greedy_shortcut and config.head != "none" and \
+                vocab * config.markov_rank >= CANDIDATE_ROUTE_MIN:
             return greedy_candidates(sub)
         previous, state = "anchor_ids", start(sub)
         tokens, probs = [], []

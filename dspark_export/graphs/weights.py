@@ -87,6 +87,15 @@ def quantize_rows(rows: np.ndarray, bits: int, block_size: int) -> tuple[np.ndar
     return codes, scales.astype(np.float32)
 
 
+def quantized_values(rows: np.ndarray, bits: int, block_size: int) -> np.ndarray:
+    """float32 rows [n, K] as the graph computes with them after `quantize_rows`: (code - 2^(bits-1)) · scale."""
+    codes, scales = quantize_rows(rows, bits, block_size)
+    if bits == 4:
+        codes = np.stack([codes & 0xF, codes >> 4], -1).reshape(*codes.shape[:-1], -1)
+    values = (codes.astype(np.float32) - (1 << (bits - 1))) * scales[..., None]
+    return values.reshape(rows.shape)
+
+
 class ExternalData:
     """Appends tensors to `{graph}.data` beside the graph file and builds the referencing TensorProtos."""
 
