@@ -14,20 +14,15 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.graph_io import GraphIO
 
-CACHE_PREFIX = "past_"
 
 
 def _feeds(batch: object, io: GraphIO) -> dict[str, np.ndarray]:
     feeds = {}
-    for tensor in io.inputs:
-        if tensor.name.startswith(CACHE_PREFIX):
-            continue
-        value = getattr(batch, tensor.name, None)
+    for name, dtype in io.fed:
+        value = getattr(batch, name, None)
         if value is None:
-            raise DSparkError(
-                f"the {io.graph} graph takes {tensor.name!r}, which {type(batch).__name__} does not provide"
-            )
-        feeds[tensor.name] = np.asarray(value, dtype=tensor.numpy_dtype)
+            raise DSparkError(f"the {io.graph} graph takes {name!r}, which {type(batch).__name__} does not provide")
+        feeds[name] = np.asarray(value, dtype=dtype)
     return feeds
 
 
@@ -47,36 +42,45 @@ class TargetBatch:
         return _feeds(self, io)
 
     @cached_property
-    def _counts(self) -> np.ndarray:
-        return np.bincount(self.slot, minlength=len(self.cache_len))
+    def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(new tokens per slot, [T, 2] each token's slot and offset among its slot's, the slot-padded rows,
+        seqlens_k, total_length), at once and in plain Python: the step loop builds this every step, for a few
+        tokens, where each numpy call costs more than the work."""
+        cache, slots = self.cache_len.tolist(), self.slot.tolist()
+        counts, pairs = [0] * len(cache), []
+        for slot, pos in zip(slots, self.pos.tolist()):
+            pairs.append((slot, pos - cache[slot]))
+            counts[slot] += 1
+        width = max(max(counts), 1)
+        rows = [[0] * width for _ in cache]
+        for token, (slot, offset) in enumerate(pairs):
+            rows[slot][offset] = token
+        seqlens = [length + count - 1 if length + count else 0 for length, count in zip(cache, counts)]
+        return (np.array(counts, np.int32), np.array(pairs, np.int64).reshape(-1, 2), np.array(rows, np.int64),
+                np.array(seqlens, np.int32), np.array(max(seqlens) + 1, np.int32))
 
-    @cached_property
+    @property
     def token_rows(self) -> np.ndarray:
         """[T, 2]: each token's slot and offset among its slot's new tokens."""
-        rows = np.empty((len(self.slot), 2), dtype=np.int64)
-        rows[:, 0] = self.slot
-        np.subtract(self.pos, self.cache_len[self.slot], out=rows[:, 1])
-        return rows
+        return self._layout[1]
 
-    @cached_property
+    @property
     def slot_rows(self) -> np.ndarray:
         """[S, M]: the token at each row of the slot-padded layout (padding repeats token 0)."""
-        rows = np.zeros((len(self.cache_len), max(int(self._counts.max()), 1)), dtype=np.int64)
-        rows[self.token_rows[:, 0], self.token_rows[:, 1]] = np.arange(len(self.slot))
-        return rows
+        return self._layout[2]
 
-    @cached_property
+    @property
     def seqlens_k(self) -> np.ndarray:
         """Per slot, positions cached after the step, less one (0 for an idle empty slot)."""
-        return np.maximum(self.cache_len + self._counts - 1, 0)
+        return self._layout[3]
 
     @property
     def query_seqlens(self) -> np.ndarray:
-        return self._counts
+        return self._layout[0]
 
     @property
     def total_length(self) -> np.ndarray:
-        return np.asarray(self.seqlens_k.max() + 1)
+        return self._layout[4]
 
 
 @dataclass

@@ -133,6 +133,11 @@ class GraphIO:
         return [t.name for t in self.inputs + self.outputs if t.name.rsplit("_", 1)[0] == kind]
 
     @cached_property
+    def fed(self) -> tuple[tuple[str, np.dtype], ...]:
+        """The inputs a call feeds (every one but the caches, which stay bound) and their numpy dtypes."""
+        return tuple((t.name, t.numpy_dtype) for t in self.inputs if not t.name.startswith("past_"))
+
+    @cached_property
     def in_place(self) -> bool:
         """Whether the graph writes its caches itself (outputs `present_*`), else the runtime commits `new_*` rows."""
         return any(t.name.startswith("present_") for t in self.outputs)

@@ -36,6 +36,9 @@ class Stats:
         }
 
 
+NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class Sequence:
     request_id: int
@@ -73,4 +76,4 @@ class Sequence:
     def penalty_history(self) -> np.ndarray:
         """Every token so far (prompt and generated, the anchor included) when a penalty reads them, else empty
         (building it costs O(context) per step)."""
-        return np.asarray(self.prompt + self.generated if self.params.penalised else [], dtype=np.int64)
+        return np.asarray(self.prompt + self.generated, dtype=np.int64) if self.params.penalised else NO_TOKENS

@@ -56,6 +56,8 @@ def verify_greedy(target_tokens: np.ndarray, draft_tokens: np.ndarray) -> tuple[
 
     target_tokens: [ℓ+1] the target's argmax at each position (lowest index on ties).
     """
+    if not len(draft_tokens):
+        return 0, int(target_tokens[0])
     mismatches = np.flatnonzero(np.asarray(target_tokens[: len(draft_tokens)]) != np.asarray(draft_tokens))
     accepted = int(mismatches[0]) if len(mismatches) else len(draft_tokens)
     return accepted, int(target_tokens[accepted])

@@ -1,6 +1,7 @@
 """The sequential and confidence heads' share of one DSpark draft call (paper: 0.2-1.3% of a draft forward).
 
-    python scripts/head_share.py --drafter demo-dspark [--requests 1,8] [--context 256] [--new 4] [--repeats 50]
+    python scripts/head_share.py --drafter demo-dspark [--requests 1,8] [--context 256] [--new 4] [--repeats 50] \
+        [--weights int4] [--draft-vocab 4096]
 
 Builds the drafter's ONNX graph as an engine would (`--weights`, int8 by default; the CPU graph's greedy
 shortcut) and the same graph with both heads removed (the DFlash graph over the same backbone), then times one
@@ -57,6 +58,7 @@ def main() -> None:
 
     from dspark_export.checkpoint import Checkpoint
     from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.drafters.draft_vocab import DraftVocab, with_draft_vocab
     from dspark_export.graphs.drafter import build_drafter_onnx
     from dspark_export.graphs.weights import WeightFormat
     from dspark_export.interop import open_drafter
@@ -71,10 +73,16 @@ def main() -> None:
     parser.add_argument("--requests", default="1,8")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft over this many tokens, by the target's token_counts.json (as CPU engines do)")
     args = parser.parse_args()
     spec = resolve_target(args.target)
     checkpoint = Checkpoint(spec.require_path(), spec.config)
     source = open_drafter(resolve_drafter(args.drafter), spec.config, checkpoint)
+    if args.draft_vocab:
+        counts = (spec.require_path() / "token_counts.json",)
+        source = with_draft_vocab(source, checkpoint, *DraftVocab(args.draft_vocab, counts).choose(
+            spec.config.vocab_size, None))
     if source.config.head == "none" and not source.config.confidence:
         raise SystemExit(f"{args.drafter} has no heads")
     headless = replace(source, config=replace(source.config, drafter_type="dflash", head="none", confidence=False))

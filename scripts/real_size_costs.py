@@ -17,6 +17,7 @@ max over K of τ_K · t(1) / (t_draft + t(K + 1)) with τ_K = (1 - a^(K+1)) / (1
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -30,8 +31,9 @@ from head_share import draft_feeds  # noqa: E402
 from random_checkpoint import write_shard  # noqa: E402
 
 
-def random_drafter(target_dir: Path, out: Path) -> Path:
-    """A DSpark drafter at DeepSeek's published proportions with random weights, in our layout."""
+def random_drafter(target_dir: Path, out: Path, layers: int) -> Path:
+    """A DSpark drafter at DeepSeek's published proportions (but `layers` layers) with random weights, in our
+    layout."""
     if (out / "model.safetensors").is_file():
         return out
     import torch
@@ -42,8 +44,8 @@ def random_drafter(target_dir: Path, out: Path) -> Path:
 
     target = Qwen3Config.from_dir(target_dir)
     config = DrafterConfig(drafter_type="dspark", target=target.architecture_fields() | {"dtype": "bfloat16"},
-                           vocab_hash=None, mask_token_id=3, num_layers=5,
-                           feature_layers=default_feature_layers(target.num_hidden_layers, 5), markov_rank=256)
+                           vocab_hash=None, mask_token_id=3, num_layers=layers,
+                           feature_layers=default_feature_layers(target.num_hidden_layers, layers), markov_rank=256)
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in build_drafter(config).state_dict().items()
                   if name not in config.shared_names()}
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("build/real-size"))
     parser.add_argument("--draft-vocab", default="0,32768", help="comma-separated sizes; 0 = the full vocabulary")
     parser.add_argument("--drafter-weights", default="int8,int4")
+    parser.add_argument("--layers", default="5", help="comma-separated drafter depths (5: DeepSeek's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -100,6 +103,7 @@ def main() -> None:
     from dspark_runtime.backend import OrtGraph, share_thread_pool
     from dspark_runtime.batches import TargetBatch
     from dspark_runtime.engine_dir import read_manifest
+    from dspark_runtime.tokenizer import ChatTokenizer
 
     checkpoint_dir = args.work / args.target
     if not (checkpoint_dir / "model.safetensors.index.json").is_file():
@@ -110,8 +114,9 @@ def main() -> None:
     engine_dir = args.work / f"{args.target}-int4"
     if not (engine_dir / "manifest.json").is_file():
         build_engine(spec, engine_dir, weights=WeightFormat("int4"), cache_slots=1, max_context=512, force=True)
-    source = open_drafter(random_drafter(checkpoint_dir, args.work / f"{args.target}-drafter"), spec.config,
-                          checkpoint)
+    sources = {layers: open_drafter(random_drafter(checkpoint_dir, args.work / f"{args.target}-drafter-{layers}",
+                                                   layers), spec.config, checkpoint)
+               for layers in (int(n) for n in args.layers.split(","))}
 
     share_thread_pool(args.threads)
     options = ort.SessionOptions()
@@ -125,21 +130,22 @@ def main() -> None:
                             np.arange(tokens))
         calls[f"t{tokens}"] = lambda feeds=batch.feeds(target.io): target.run(feeds)
     variants = []
-    for vocab in (int(v) for v in args.draft_vocab.split(",")):
-        for weights in args.drafter_weights.split(","):
-            drafted = source if not vocab else with_draft_vocab(
-                source, checkpoint, *DraftVocab(vocab, (demo_dir() / "token_counts.json",)).choose(
-                    spec.config.vocab_size, None))
-            name = f"vocab{vocab or spec.config.vocab_size}-{weights}"
-            graph = build_drafter_onnx(drafted, checkpoint, args.work / name / "drafter.onnx", WeightFormat(weights),
-                                       greedy_shortcut=True)
-            session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-            inputs = {i.name for i in session.get_inputs()}
-            for temperature in (0.0, 1.0):
-                feeds = draft_feeds(drafted.config, 1, context, 3, temperature)
-                feeds = {key: value for key, value in feeds.items() if key in inputs}
-                calls[f"{name}-T{temperature:g}"] = lambda s=session, f=feeds: s.run(None, f)
-            variants.append(name)
+    tokenizer_size = ChatTokenizer.from_dir(checkpoint_dir).vocab_size
+    for (layers, source), vocab, weights in itertools.product(sources.items(), map(int, args.draft_vocab.split(",")),
+                                                              args.drafter_weights.split(",")):
+        drafted = source if not vocab else with_draft_vocab(
+            source, checkpoint, *DraftVocab(vocab, (demo_dir() / "token_counts.json",)).choose(
+                spec.config.vocab_size, tokenizer_size))
+        name = f"layers{layers}-vocab{vocab or spec.config.vocab_size}-{weights}"
+        graph = build_drafter_onnx(drafted, checkpoint, args.work / name / "drafter.onnx", WeightFormat(weights),
+                                   greedy_shortcut=True)
+        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        inputs = {i.name for i in session.get_inputs()}
+        for temperature in (0.0, 1.0):
+            feeds = draft_feeds(drafted.config, 1, context, 3, temperature)
+            feeds = {key: value for key, value in feeds.items() if key in inputs}
+            calls[f"{name}-T{temperature:g}"] = lambda s=session, f=feeds: s.run(None, f)
+        variants.append(name)
     seconds = rounds_median(calls, args.rounds, args.repeats)
     t = {tokens: seconds[f"t{tokens}"] for tokens in range(1, 9)}
     for name in variants:
