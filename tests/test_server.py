@@ -52,6 +52,36 @@ def server(engine):
     yield from ((url, engine) for url in running(create_app(engine, ServerOptions("echo", max_body_bytes=1 << 20))))
 
 
+def test_tokenizing_a_big_prompt_does_not_stall_the_other_streams(server):
+    """The tokenizer releases the GIL while it works, so the step loop keeps stepping: a running stream's longest
+    pause stays well below the time the big prompt takes to tokenize (all of it when the GIL was held)."""
+    url, engine = server
+    big = "def add(a, b):\n    return a + b\n" * 25000  # 800 kB, under the test server's 1 MiB limit
+    started = time.perf_counter()
+    engine.tokenizer.encode(big)
+    tokenizing = time.perf_counter() - started
+    body = {"prompt": "def add(", "max_tokens": 600, "temperature": 0, "stream": True}
+    arrivals: list[float] = []
+
+    def stream_beside():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.perf_counter())
+
+    thread = threading.Thread(target=stream_beside)
+    thread.start()
+    deadline = time.perf_counter() + 30
+    while len(arrivals) < 5 and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    sent = time.perf_counter()
+    reply = httpx.post(url + "/v1/completions", json={"prompt": big, "max_tokens": 1}, timeout=120)
+    thread.join()
+    assert reply.status_code == 400 and "context holds" in reply.text  # tokenized, then refused: too long
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent]
+    assert during and max(during) < tokenizing / 3, (max(during, default=None), tokenizing)
+
+
 def test_a_body_cut_short_by_the_client_is_a_clean_close(server):
     url, engine = server
     host, port = url.removeprefix("http://").split(":")
