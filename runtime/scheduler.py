@@ -50,8 +50,11 @@ class SpeedCurve:
 
     def draft_time(self, requests: int, context_rows: int = 0) -> float:
         """t_draft(R), plus the catch-up of context rows beyond what the profile fed (after plain steps)."""
-        extra = max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
-        return float(self._lookup(self.draft_seconds, requests)) + self.draft_seconds_per_context_row * extra
+        return float(self._lookup(self.draft_seconds, requests)) + self.catch_up(requests, context_rows)
+
+    def catch_up(self, requests: int, context_rows: int) -> float:
+        """What reading `context_rows` new target positions costs a drafter call beyond a profiled one."""
+        return self.draft_seconds_per_context_row * max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
 
     def steps_per_second(self, tokens, requests: int, context_rows: int = 0):
         """SPS(B; R) for B = `tokens` (an int or an array)."""
@@ -179,8 +182,7 @@ class DraftGate:
         costs = self._costs(requests)
         if not costs.can_pay:
             return False
-        per_row = self.curve.draft_seconds_per_context_row
-        catch_up = per_row * max(0, context_rows - PROFILED_CONTEXT_ROWS * requests)
+        catch_up = self.curve.catch_up(requests, context_rows)
         # the same survivals that lost before lose again: the catch-up only grows while nothing is drafted
         declined = self.declined
         same = declined is not None and len(declined) == requests and all(a is b for a, b in zip(declined, survivals))
