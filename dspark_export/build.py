@@ -42,7 +42,7 @@ BACKENDS = ("auto", "ort", "trt")
 
 def default_engine_dir(target_name: str, drafter_name: str | None) -> Path:
     """Engines live in the user cache (DSPARK_HOME overrides), one folder per target/drafter pair."""
-    root = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark")) / "engines"
+    root = Path(os.environ.get("DSPARK_HOME") or Path.home() / ".cache" / "dspark") / "engines"  # empty: unset
     return root / (target_name + (f"-{drafter_name}" if drafter_name else ""))
 
 

@@ -85,21 +85,24 @@ def host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def check_request(headers, method: str, options: ServerOptions) -> None:
-    """Refuse what a web page or a stranger could send: wrong Host, foreign Origin, no API key, non-JSON."""
+def check_request(headers, method: str, options: ServerOptions, public: bool = False) -> None:
+    """Refuse what a web page or a stranger could send: wrong Host, foreign Origin, no API key (unless `public`, as
+    a health check is), non-JSON."""
     if options.host not in WILDCARD or options.allow_hosts:
         if host_name(headers.get("host", "")) not in options.hosts:
             raise HTTPError(403, "the Host header does not name this server (use --allow-host to add a name)")
     origin = headers.get("origin")
     if origin is not None and host_name(origin) not in options.hosts:
         raise HTTPError(403, "requests from other origins are not served")
-    if options.api_key is not None and headers.get("authorization", "") != f"Bearer {options.api_key}":
+    if not public and options.api_key is not None and headers.get("authorization", "") != f"Bearer {options.api_key}":
         raise HTTPError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
     if method == "POST" and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise HTTPError(415, "the request body must be JSON (Content-Type: application/json)")
 
 
-def parse_body(raw: bytes, allowed: set[str], required: str, model_name: str) -> dict:
+def parse_body(raw: bytes, allowed: set[str], required: str, model_names: tuple[str, ...]) -> dict:
+    """The request's JSON object, checked: known fields only, the required one present, a model this server has
+    (`model_names`: its id first, then the names it also answers to)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # JSON errors, bad UTF-8, integers too long to read, deep nesting
@@ -111,9 +114,9 @@ def parse_body(raw: bytes, allowed: set[str], required: str, model_name: str) ->
         raise HTTPError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
     if required not in body:
         raise HTTPError(400, f"missing required parameter: {required}", required)
-    if "model" in body and body["model"] != model_name:
-        raise HTTPError(404, f"the model {str(body['model'])[:100]!r} does not exist (this server has {model_name!r})",
-                        "model", code="model_not_found")
+    if "model" in body and body["model"] not in model_names:
+        raise HTTPError(404, f"the model {str(body['model'])[:100]!r} does not exist (this server has "
+                             f"{model_names[0]!r})", "model", code="model_not_found")
     if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
         raise HTTPError(400, "only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False) or body.get("logit_bias") or body.get("echo") or body.get("suffix"):
@@ -177,6 +180,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         options = ServerOptions(options, default_spec)
     defaults = engine.generation_defaults()
     model_name = options.model_name
+    model_names = (model_name, *({engine.manifest.target_name} - {model_name, None}))  # the target's name too
 
     def error(exc: HTTPError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -195,6 +199,14 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         except ClientDisconnect:  # a clean close: nobody is left to read the answer
             raise HTTPError(400, "the client closed the connection before its body was complete") from None
         return b"".join(chunks)
+
+    async def health(request: HttpRequest) -> JSONResponse:
+        """What llama.cpp's, vLLM's and Ollama's health checks answer: up, and how busy (no API key needed)."""
+        try:
+            check_request(request.headers, "GET", options, public=True)
+        except HTTPError as exc:
+            return error(exc)
+        return JSONResponse({"status": "ok", "model": model_name, **engine.status()})
 
     async def models(request: HttpRequest) -> JSONResponse:
         try:
@@ -215,7 +227,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         try:
             check_request(request.headers, "POST", options)
             body = parse_body(await read_body(request), CHAT_FIELDS if chat else COMPLETION_FIELDS,
-                              "messages" if chat else "prompt", model_name)
+                              "messages" if chat else "prompt", model_names)
             prompt = prompt_of(body, chat)
             params = sampling_from(body, defaults)
             handle = await run_in_threadpool(
@@ -291,7 +303,8 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
     async def method_not_allowed(request: HttpRequest, exc) -> JSONResponse:
         return error(HTTPError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    routes = [Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
 

@@ -67,6 +67,17 @@ def test_batched_requests_with_mixed_params_equal_their_solo_runs(engine):
             assert result.token_ids == solo[prompt]
 
 
+def test_a_seed_gives_off_the_same_text_whatever_runs_beside_it(engine):
+    """What the README promises of a seed: `off` is unmoved by other requests in its steps."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=77)
+    alone = engine.generate("Hello", params, spec="off").token_ids
+    crowd = [engine.submit("Hello", params, spec="off") for _ in range(4)] + [
+        engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=i), spec="fixed:3")
+        for i, prompt in enumerate(PROMPTS[:3])
+    ]
+    assert [request.result().token_ids for request in crowd[:4]] == [alone] * 4
+
+
 def test_seeded_sampling_is_reproducible(engine):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=11)
     first = engine.generate("Hello", params, spec="fixed:3")

@@ -179,6 +179,7 @@ HOSTILE = [  # (route, raw body, expected status, a fragment of the error messag
     ("completions", json.dumps(completion(spec=5)).encode(), 400, "spec must be a string"),
     ("completions", json.dumps(completion(spec="turbo")).encode(), 400, "unknown speculation mode"),
     ("completions", json.dumps(completion(model="gpt-5")).encode(), 404, "does not exist"),
+    ("completions", json.dumps(completion(model="target")).encode(), 200, ""),  # the target's name works too
     ("completions", json.dumps(completion(prompt=5)).encode(), 400, "prompt must be a string"),
     ("completions", b'{"prompt": "\\ud800"}'.replace(b"\\\\", b"\\"), 400, "not valid Unicode"),
     ("completions", json.dumps(completion(stream=True, stream_options="x")).encode(), 400, "stream_options must be"),
@@ -249,6 +250,8 @@ def test_what_a_web_page_could_send_is_refused(server):
 def test_an_api_key_is_required_when_set(engine):
     for url in running(create_app(engine, ServerOptions("echo", api_key="s3cret"))):
         assert httpx.get(url + "/v1/models").status_code == 401
+        health = httpx.get(url + "/health")  # what load balancers probe: no key needed, nothing private
+        assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["slots"] == 8
         headers = {"authorization": "Bearer s3cret"}
         assert httpx.get(url + "/v1/models", headers=headers).status_code == 200
         reply = httpx.post(url + "/v1/completions", json=completion(), headers=headers, timeout=30)
