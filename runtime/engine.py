@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class Request:
         self._changed = threading.Condition()
         self._deltas: list[Delta] = []
         self._error: Exception | None = None
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def done(self) -> bool:
@@ -76,6 +77,20 @@ class Request:
         with self._changed:
             return self._changed.wait_for(lambda: self.done, timeout)
 
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (from the step loop's thread, so keep it short) whenever a delta or the end arrives:
+        an event loop can wait for a request without holding a thread."""
+        with self._changed:
+            self._listeners.append(callback)
+
+    def deltas_from(self, index: int) -> tuple[list[Delta], bool]:
+        """Without waiting: the deltas from `index` on and whether the request has ended; once every delta of a
+        request that failed has been read, its error is raised."""
+        with self._changed:
+            if self._error is not None and index >= len(self._deltas):
+                raise self._error
+            return self._deltas[index:], self.done
+
     def _deliver(self, event: Delta | Exception) -> None:
         """The step loop's side: one more delta, or the error that ended the request."""
         with self._changed:
@@ -84,6 +99,9 @@ class Request:
             else:
                 self._deltas.append(event)
             self._changed.notify_all()
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
 
     def __iter__(self) -> Iterator[Delta]:
         index = 0

@@ -16,6 +16,7 @@ opens can reach loopback:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -168,7 +169,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
     """The Starlette application serving `engine` (`options` may be just the model name)."""
     try:
         from starlette.applications import Starlette
-        from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+        from starlette.concurrency import run_in_threadpool
         from starlette.requests import ClientDisconnect, Request as HttpRequest
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
@@ -242,10 +243,10 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.get("stream"):
-            return StreamingResponse(stream(handle, ident, created, chat, body), media_type="text/event-stream")
-        while not await run_in_threadpool(handle.wait, 0.25):
-            if await request.is_disconnected():  # nobody will read the answer: free the slot
-                handle.cancel()
+            return StreamingResponse(stream(request, handle, ident, created, chat, body),
+                                     media_type="text/event-stream")
+        async for _ in deltas(request, handle):
+            pass
         try:
             result = handle.result()
         except DSparkError as exc:
@@ -266,7 +267,33 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             }
         )
 
-    async def stream(handle: Request, ident: str, created: int, chat: bool, body: dict):
+    async def deltas(request: HttpRequest, handle: Request):
+        """The request's deltas as they arrive, waited for on the event loop (no thread held per request, so that
+        hundreds of waiting streams do not queue the running ones' deltas behind them); a client that goes away,
+        while its request runs or waits for a slot, cancels it within 0.1 s."""
+        loop, changed, index = asyncio.get_running_loop(), asyncio.Event(), 0
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # the event loop closed (the server shut down): nobody is waiting any more
+                pass
+
+        handle.listen(wake)
+        while True:
+            changed.clear()
+            new, ended = handle.deltas_from(index)
+            for delta in new:
+                yield delta
+            index += len(new)
+            if ended:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), 0.1)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():  # nobody will read the answer: free the slot
+                    handle.cancel()
+
+    async def stream(request: HttpRequest, handle: Request, ident: str, created: int, chat: bool, body: dict):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
@@ -278,7 +305,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             try:
-                async for delta in iterate_in_threadpool(iter(handle)):
+                async for delta in deltas(request, handle):
                     part = (
                         {"delta": {"content": delta.text} if delta.text else {}}
                         if chat

@@ -318,6 +318,34 @@ def test_soak_64_streams_with_random_aborts(server):
     assert status == {"active": 0, "waiting": 0, "free_slots": status["slots"], "slots": status["slots"]}
 
 
+def test_under_load_every_abandoned_stream_is_cancelled(server, monkeypatch):
+    """128 streams for 8 slots on a slowed model, a quarter abandoned after their first event: deltas reach their
+    clients as they are made (no thread is held per waiting stream), so abandoned requests are cancelled, not run
+    out. (With 256 streams of 100 tokens, 40 threads once served all streams and 42 of 54 first events arrived
+    after their request had ended.)"""
+    url, engine = server
+    submitted = []
+    original = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *a, **k: submitted.append(original(*a, **k)) or submitted[-1])
+    run = engine.core.target.run
+    monkeypatch.setattr(engine.core.target, "run", lambda feeds: time.sleep(0.003) or run(feeds))
+
+    def go(number: int) -> None:
+        body = {"prompt": f"Hello {number}", "max_tokens": 100, "temperature": 0.7, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if number % 4 == 1 and line.startswith("data: {"):
+                    return  # abandoned after the first event
+
+    with ThreadPoolExecutor(128) as pool:
+        list(pool.map(go, range(128)))
+    wait_idle(engine, 120)
+    by_prompt = {engine.tokenizer.decode(h.sequence.prompt): h.sequence for h in submitted}
+    abandoned = [by_prompt[f"Hello {n}"] for n in range(1, 128, 4)]
+    reasons = [s.finish_reason for s in abandoned]  # "stop": the model ended it itself before its client left
+    assert set(reasons) <= {"cancelled", "stop"} and reasons.count("cancelled") > 16, reasons
+
+
 def test_events_stay_one_line_whatever_the_text():
     """Generated text may hold U+2028 or U+0085, which `str.splitlines` (httpx's `iter_lines`) treats as line ends."""
     from dspark_runtime.server import sse
