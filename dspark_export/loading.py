@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.model import Qwen3Model
@@ -10,32 +12,36 @@ from dspark_export.errors import CheckpointError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 
-def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32") -> tuple[Qwen3Model, ChatTokenizer]:
+def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
+                streamed: bool = False) -> tuple[Qwen3Model, ChatTokenizer]:
     """The target model in `dtype` and its tokenizer, from the spec's checkpoint folder; with int8 or int4
-    `weights`, every projection and the embedding hold the values an engine of that format computes with."""
+    `weights`, every projection and the embedding hold the values an engine of that format computes with.
+    `streamed`: decoder layers read from the checkpoint as they run (`Qwen3Model.from_checkpoint`)."""
     folder = spec.require_path()
     tokenizer = ChatTokenizer.from_dir(folder)
     if tokenizer.vocab_size > spec.config.vocab_size:
         raise CheckpointError(
             f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
         )
-    model = Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype)
-    return (quantized(model, WeightFormat(weights)) if WeightFormat(weights).bits else model), tokenizer
+    fmt = WeightFormat(weights)
+    return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype, streamed,
+                                      quantizer(fmt) if fmt.bits else None), tokenizer
 
 
-def quantized(model: Qwen3Model, weights: WeightFormat) -> Qwen3Model:
-    """`model` with its matrices replaced in place by their block-quantized values (as `dspark_export.graphs`
-    stores them): features and logits as an int8/int4 engine's, up to its int8 activations."""
+def quantizer(weights: WeightFormat) -> Callable:
+    """A tensor -> its block-quantized values (as `dspark_export.graphs` stores them) for every matrix whose rows
+    split into blocks: features and logits as an int8/int4 engine's, up to its int8 activations."""
     import torch
 
     from dspark_export.graphs.weights import quantized_values
 
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.ndim == 2 and parameter.shape[1] % weights.block_size == 0:
-                rows = parameter.detach().float().numpy()
-                parameter.copy_(torch.from_numpy(quantized_values(rows, weights.bits, weights.block_size)))
-    return model
+    def quantize(tensor: "torch.Tensor") -> "torch.Tensor":
+        if tensor.ndim != 2 or tensor.shape[1] % weights.block_size:
+            return tensor
+        rows = tensor.float().numpy()
+        return torch.from_numpy(quantized_values(rows, weights.bits, weights.block_size)).to(tensor.dtype)
+
+    return quantize
 
 
 def load_drafters(spec: TargetSpec, model: Qwen3Model, tokenizer: ChatTokenizer, names: list[str],

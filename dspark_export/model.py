@@ -7,7 +7,7 @@ KV cache, model. Weights load from a Hugging Face checkpoint by their own tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -182,20 +182,42 @@ class Qwen3Model(nn.Module):
         return TargetOutput(self.lm_head(self.norm(x)) if logits else None, features)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, dtype: str | None = None) -> "Qwen3Model":
-        """Build the model and fill it from a checkpoint, in `dtype` (default: the checkpoint's own)."""
+    def from_checkpoint(cls, checkpoint: Checkpoint, dtype: str | None = None, streamed: bool = False,
+                        transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Qwen3Model":
+        """Build the model and fill it from a checkpoint, in `dtype` (default: the checkpoint's own), each tensor
+        passed through `transform` if given. `streamed` keeps only the embedding, the final norm and the LM head
+        in memory and reads each decoder layer from the checkpoint just before it runs, dropping it after: the
+        same numbers in a fraction of the memory (an inference-only model: its layers hold no parameters)."""
         torch_dtype = TORCH_DTYPES[dtype or checkpoint.dtype]
         with torch.device("meta"):
             model = cls(checkpoint.config)
-        model = model.to_empty(device="cpu")
-        state = {}
-        for name in model.state_dict():
-            source = "model." + name if not name.startswith("lm_head") else name
-            if name == "lm_head.weight":
-                source = checkpoint.lm_head_name()
-            state[name] = to_torch(*checkpoint.raw(source)).to(torch_dtype)
-        model.load_state_dict(state)
-        return model.to(torch_dtype).eval()
+
+        def state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+            tensors = {}
+            for name in module.state_dict():
+                full = prefix + name
+                source = checkpoint.lm_head_name() if full == "lm_head.weight" else "model." + full
+                tensor = to_torch(*checkpoint.raw(source)).to(torch_dtype)
+                tensors[name] = transform(tensor) if transform else tensor
+            return tensors
+
+        def load(module: nn.Module, prefix: str) -> None:
+            module.load_state_dict(state(module, prefix), assign=True)
+
+        def drop(module: nn.Module, args, output) -> None:
+            module.to_empty(device="meta")
+
+        if streamed:
+            for index, layer in enumerate(model.layers):
+                layer.register_forward_pre_hook(lambda module, args, prefix=f"layers.{index}.": load(module, prefix))
+                layer.register_forward_hook(drop)
+            for name in ("embed_tokens", "norm", "lm_head"):
+                load(getattr(model, name), name + ".")
+        else:
+            load(model, "")
+        if checkpoint.config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()
 
 
 def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
-from dspark_runtime.sampling import target_rows
+from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_runtime.randomness import EMIT
 from dspark_runtime.sequence import Sequence
@@ -227,7 +227,7 @@ class EngineCore:
                     if greedy
                     else sample(processed[0], s.random.uniform(s.target_len, EMIT))
                 )
-                self._commit(s, [token])
+                self._commit(s, [token], processed)
             return
         drafts = np.zeros(0, np.int64) if row.drafts == 0 else s.drafts[: row.drafts]
         processed = target_rows(logits, s.penalty_history, drafts, s.params)
@@ -250,11 +250,12 @@ class EngineCore:
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
         if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
-        self._commit(s, drafts[:accepted].tolist() + [token])
+        self._commit(s, drafts[:accepted].tolist() + [token], processed)
 
-    def _commit(self, s: Sequence, tokens: list[int]) -> None:
+    def _commit(self, s: Sequence, tokens: list[int], rows: np.ndarray) -> None:
         """Append a step's tokens to the request and decide whether it finishes: an end or stop token, its token
-        budget, a full context, or a stop string in the text (which the text sink reports)."""
+        budget, a full context, or a stop string in the text (which the text sink reports). `rows`: the processed
+        target rows the tokens were emitted at (their log-probabilities, when the request asks)."""
         s.stats.steps += 1
         if s.stats.first_token is None:
             s.stats.first_token = time.perf_counter()
@@ -269,6 +270,8 @@ class EngineCore:
             if len(s.generated) >= s.params.max_tokens:
                 reason = "length"
                 break
+        if s.params.logprobs is not None:
+            s.logprobs += token_logprobs(rows, tokens[: len(s.generated) - len(s.logprobs)], s.params)
         if reason is None and s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit
             reason = "length"
         if self.text(s, visible) and reason is None:

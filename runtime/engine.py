@@ -33,7 +33,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.profiling import machine
 from dspark_runtime.randomness import KeyedRandom
-from dspark_runtime.sampling import InvalidRequestError, SamplingParams
+from dspark_runtime.sampling import InvalidRequestError, SamplingParams, TokenLogprob
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.spec_mode import SpecMode
@@ -49,6 +49,7 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     stats: dict
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Request:
@@ -120,8 +121,9 @@ class Request:
         for _ in self:
             pass
         s = self.sequence
+        logprobs = None if s.params.logprobs is None else s.logprobs[: len(self.output.visible)]
         return Completion(self.output.sent_text, list(self.output.visible), s.finish_reason, len(s.prompt),
-                          s.stats.summary(len(s.generated)))
+                          s.stats.summary(len(s.generated)), logprobs)
 
 
 class Engine:
@@ -387,8 +389,11 @@ class Engine:
         if sequence.error is not None:
             request._deliver(sequence.error)
             return
+        start = request.output.sent_tokens
         delta = request.output.take(sequence.finish_reason)
         if delta is not None:
+            if sequence.params.logprobs is not None:
+                delta.logprobs = sequence.logprobs[start : start + len(delta.token_ids)]
             request._deliver(delta)
 
     def shutdown(self) -> None:

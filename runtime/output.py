@@ -7,12 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dspark_runtime.sampling import TokenLogprob
+
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass

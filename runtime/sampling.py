@@ -19,6 +19,7 @@ class InvalidRequestError(DSparkError):
 
 TEMPERATURE_FLOOR = 1e-5  # a positive temperature below this samples greedily (float32 cannot divide by it)
 LIMIT = (1 << 31) - 1  # the largest max_tokens, top_k or token id a request may give
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # the emitted tokens' log-probabilities, with this many alternatives (None: off)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -53,6 +55,8 @@ class SamplingParams:
         check.number("frequency_penalty", None, None)
         if self.seed is not None:
             check.integer("seed", 0, (1 << 63) - 1)
+        if self.logprobs is not None:
+            check.integer("logprobs", 0, MAX_LOGPROBS)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             problems.append("stop must be a string or a list of non-empty strings")
@@ -168,3 +172,33 @@ def target_rows(logits: np.ndarray, history: np.ndarray, drafts: np.ndarray, par
             [penalise(logits[k], np.concatenate([history, drafts[:k]]), params) for k in range(len(logits))]
         )
     return logits if params.greedy else truncated_distribution(logits, params)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the processed target distribution at its position, and the
+    `top` most likely tokens there (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], params: SamplingParams) -> list[TokenLogprob]:
+    """Each token's entry from the processed row it was emitted at (`target_rows`' output: penalised logits when
+    greedy, whose softmax is the distribution at temperature 1; else the probabilities sampled from). Tokens
+    that truncation removed have no entry among the alternatives (their log-probability is -inf)."""
+    rows = rows[: len(tokens)].astype(np.float64)
+    if params.greedy:
+        shifted = rows - rows.max(-1, keepdims=True)
+        logs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    else:
+        with np.errstate(divide="ignore"):
+            logs = np.log(rows)
+    entries = []
+    for row, token in zip(logs, tokens):
+        top = np.argpartition(-row, params.logprobs - 1)[: params.logprobs] if params.logprobs else []
+        top = sorted(top, key=lambda t: (-row[t], t))
+        entries.append(TokenLogprob(int(token), float(row[token]),
+                                    tuple((int(t), float(row[t])) for t in top if np.isfinite(row[t]))))
+    return entries

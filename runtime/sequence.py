@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark_runtime.randomness import KeyedRandom
-from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.sampling import SamplingParams, TokenLogprob
 from dspark_runtime.spec_mode import SpecMode
 
 
@@ -58,6 +58,7 @@ class Sequence:
     confidence_logits: np.ndarray | None = None  # [γ]
     survival: np.ndarray | None = None  # [γ] calibrated prefix survival of the latest drafts (kept while not drafting)
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)
     error: Exception | None = None  # why a request finished with "error"
     cancelled: bool = False

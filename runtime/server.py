@@ -21,11 +21,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from dspark_runtime.engine import Engine, Request
 from dspark_runtime.errors import DSparkError, MissingDependencyError
-from dspark_runtime.sampling import InvalidRequestError, SamplingParams
+from dspark_runtime.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams, TokenLogprob
+from dspark_runtime.tokenizer import ChatTokenizer
 
 COMMON_FIELDS = {
     "model",
@@ -120,8 +122,8 @@ def parse_body(raw: bytes, allowed: set[str], required: str, model_names: tuple[
                              f"{model_names[0]!r})", "model", code="model_not_found")
     if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
         raise HTTPError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False) or body.get("logit_bias") or body.get("echo") or body.get("suffix"):
-        raise HTTPError(400, "logprobs, logit_bias, echo and suffix are not supported")
+    if body.get("logit_bias") or body.get("echo") or body.get("suffix"):
+        raise HTTPError(400, "logit_bias, echo and suffix are not supported")
     if not isinstance(body.get("stream", False), bool):
         raise HTTPError(400, "stream must be true or false", "stream")
     options = body.get("stream_options")
@@ -134,7 +136,48 @@ def parse_body(raw: bytes, allowed: set[str], required: str, model_names: tuple[
     return body
 
 
-def sampling_from(body: dict, defaults: dict) -> SamplingParams:
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request wants with its log-probabilities (None: none): chat asks with
+    `logprobs: true` and `top_logprobs` (0-20), completions with `logprobs` (0-5)."""
+    if not chat:
+        count = body.get("logprobs")
+        if count is not None and not (isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= 5):
+            raise HTTPError(400, "logprobs must be an integer in [0, 5] for completions", "logprobs")
+        return count
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise HTTPError(400, "logprobs must be true or false", "logprobs")
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_LOGPROBS):
+        raise HTTPError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if top is not None and not wanted:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def logprobs_json(entries: list[TokenLogprob] | None, tokenizer: ChatTokenizer, chat: bool, offset: int = 0):
+    """OpenAI's `logprobs` object for some emitted tokens: chat's `content` list, or the completions API's parallel
+    lists (`text_offset` counts characters from `offset`, where the tokens' text starts)."""
+    if entries is None:
+        return None
+
+    def token(token_id: int) -> tuple[str, bytes]:
+        raw = tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    if chat:
+        def item(token_id: int, logprob: float) -> dict:
+            text, raw = token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+        return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(*alt) for alt in e.top]}
+                            for e in entries], "refusal": None}
+    texts = [token(e.token)[0] for e in entries]
+    offsets = list(accumulate((len(text) for text in texts[:-1]), initial=offset)) if texts else []
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def sampling_from(body: dict, defaults: dict, chat: bool) -> SamplingParams:
     """The request's sampling settings, validated by SamplingParams itself (values are passed as sent)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     stop = body.get("stop")
@@ -149,6 +192,7 @@ def sampling_from(body: dict, defaults: dict) -> SamplingParams:
         repetition_penalty=body.get("repetition_penalty", 1.0),
         seed=body.get("seed"),
         stop=() if stop is None else stop,
+        logprobs=requested_logprobs(body, chat),
     )
 
 
@@ -230,7 +274,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             body = parse_body(await read_body(request), CHAT_FIELDS if chat else COMPLETION_FIELDS,
                               "messages" if chat else "prompt", model_names)
             prompt = prompt_of(body, chat)
-            params = sampling_from(body, defaults)
+            params = sampling_from(body, defaults, chat)
             handle = await run_in_threadpool(
                 engine.submit, prompt, params, body.get("spec", options.default_spec), False, body.get("stream", False)
             )
@@ -251,7 +295,8 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             result = handle.result()
         except DSparkError as exc:
             return error(HTTPError(500, str(exc), kind="server_error"))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
+                                  "logprobs": logprobs_json(result.logprobs, engine.tokenizer, chat)}
         choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(handle.sequence.generated),
                  "total_tokens": result.prompt_tokens + len(handle.sequence.generated)}
@@ -305,13 +350,12 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             try:
+                sent = 0
                 async for delta in deltas(request, handle):
-                    part = (
-                        {"delta": {"content": delta.text} if delta.text else {}}
-                        if chat
-                        else {"text": delta.text, "logprobs": None}
-                    )
-                    yield chunk([{"index": 0, **part, "finish_reason": delta.finish_reason}])
+                    logprobs = logprobs_json(delta.logprobs, engine.tokenizer, chat, sent)
+                    part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text}
+                    yield chunk([{"index": 0, **part, "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+                    sent += len(delta.text)
             except DSparkError as exc:  # this request failed: say so, and end its stream properly
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
                 yield chunk([{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "error"}])

@@ -10,6 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,15 @@ class ChatTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self.backend.id_to_token(token_id)
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        if piece is None or token_id in self.special.values() or not byte_level:
+            return self.decode([token_id]).encode("utf-8")
+        table = _byte_level_table()
+        return bytes(table[char] for char in piece) if all(char in table for char in piece) else piece.encode()
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
@@ -123,6 +133,14 @@ class ChatTokenizer:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from None
+
+
+@lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _optional_json(path: Path) -> dict[str, Any]:

@@ -64,6 +64,27 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_a_streamed_target_computes_exactly_what_the_resident_one_does_and_holds_no_layer(tmp_path, weights):
+    from dspark_export.demo.tokenizer import train_tokenizer
+    from dspark_export.loading import load_target
+    from dspark_export.presets import resolve_target
+    from tests.conftest import TEXT
+
+    folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=False, vocab_size=300)
+    train_tokenizer(TEXT, folder, vocab_size=300)
+    spec = resolve_target(None, folder)
+    resident, streamed = (load_target(spec, weights=weights, streamed=s)[0] for s in (False, True))
+    ids = torch.randint(0, 300, (2, 11))
+    with torch.no_grad():
+        a, b = resident(ids, feature_layers=(0, 1, 2)), streamed(ids, feature_layers=(0, 1, 2))
+    assert torch.equal(a.logits, b.logits) and all(torch.equal(a.features[k], b.features[k]) for k in a.features)
+    assert all(p.is_meta for p in streamed.layers.parameters())  # dropped again after the pass
+    held = sum(p.numel() for p in streamed.parameters() if not p.is_meta)
+    assert held == sum(p.numel() for name in ("embed_tokens", "norm", "lm_head")
+                       for p in getattr(resident, name).parameters())
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_checkpoints_round_trip(tmp_path, tiny_checkpoint, dtype):
     model = load(tiny_checkpoint)

@@ -137,6 +137,41 @@ def test_streamed_chat_equals_the_plain_reply(server):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_logprobs_are_the_targets_whatever_the_speculation(server):
+    """Chat and completions, plain and streamed, under `off` and `fixed:4`: the same tokens and log-probabilities
+    (the target's rows give them), the alternatives sorted with the emitted token among them when greedy."""
+    url, _ = server
+    chat = {"messages": [{"role": "user", "content": "def add("}], "max_tokens": 24, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}
+    replies = {spec: httpx.post(url + "/v1/chat/completions", json=chat | {"spec": spec}, timeout=30).json()
+               for spec in ("off", "fixed:4")}
+    off, spec = (replies[k]["choices"][0]["logprobs"]["content"] for k in ("off", "fixed:4"))
+    assert len(off) == replies["off"]["usage"]["completion_tokens"] == 24
+    assert [e["token"] for e in off] == [e["token"] for e in spec]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(off, spec)) < 1e-4
+    for entry in off:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0] == {k: entry[k] for k in ("token", "logprob", "bytes")}
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"] and entry["logprob"] <= 0
+        assert bytes(entry["bytes"]).decode("utf-8", errors="replace") == entry["token"]
+    text = replies["off"]["choices"][0]["message"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in off).decode() == text
+    streamed = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat | {"stream": True, "spec": "fixed:4"},
+                      timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += (json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("content", [])
+    assert [e["token"] for e in streamed] == [e["token"] for e in off]
+    plain = {"prompt": "def add(", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    reply = httpx.post(url + "/v1/completions", json=plain, timeout=30).json()["choices"][0]
+    logprobs = reply["logprobs"]
+    assert "".join(logprobs["tokens"]) == reply["text"] and len(logprobs["token_logprobs"]) == 12
+    assert logprobs["text_offset"][0] == 0 and all(len(top) == 2 for top in logprobs["top_logprobs"])
+    assert httpx.post(url + "/v1/completions", json=plain | {"logprobs": None}, timeout=30).json()["choices"][0][
+        "logprobs"] is None
+
+
 def test_concurrent_requests(server):
     url, _ = server
     prompts = ["Hello", "def add(", "The answer", "Hello there"] * 2
@@ -185,6 +220,12 @@ HOSTILE = [  # (route, raw body, expected status, a fragment of the error messag
     ("completions", json.dumps(completion(stream=True, stream_options="x")).encode(), 400, "stream_options must be"),
     ("completions", json.dumps(completion(stream="yes")).encode(), 400, "stream must be true or false"),
     ("completions", json.dumps(completion(prompt="Hello " * 2000)).encode(), 400, "context holds"),
+    ("completions", json.dumps(completion(logprobs=6)).encode(), 400, "logprobs must be an integer in [0, 5]"),
+    ("completions", json.dumps(completion(logprobs=True)).encode(), 400, "logprobs must be an integer"),
+    ("chat/completions", json.dumps(chat_body("Hi") | {"logprobs": 3}).encode(), 400, "logprobs must be true or"),
+    ("chat/completions", json.dumps(chat_body("Hi") | {"top_logprobs": 2}).encode(), 400, "needs logprobs: true"),
+    ("chat/completions", json.dumps(chat_body("Hi") | {"logprobs": True, "top_logprobs": 21}).encode(), 400,
+     "top_logprobs must be an integer in [0, 20]"),
     ("chat/completions", json.dumps(chat_body(5)).encode(), 400, "content must be a string"),
     ("chat/completions", json.dumps(chat_body({"text": "hi"})).encode(), 400, "content must be a string"),
     ("chat/completions", json.dumps(chat_body([{"type": "text", "text": "Hello"}])).encode(), 200, ""),

@@ -119,3 +119,19 @@ def test_keyed_uniforms_depend_on_seed_position_and_purpose_only():
     values = np.array([a.uniform(p, EMIT) for p in range(20_000)])
     assert 0 < values.min() and values.max() < 1 and scipy_stats.kstest(values, "uniform").pvalue > 1e-3
     assert np.array_equal(a.draft_noise(5, 3), [a.uniform(p, 2) for p in (5, 6, 7)])
+
+
+def test_token_logprobs_read_the_processed_rows():
+    from dspark_runtime.sampling import SamplingParams, token_logprobs, truncated_distribution
+
+    logits = np.array([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
+    greedy = token_logprobs(logits, [0, 2], SamplingParams(temperature=0, logprobs=2))
+    expected = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert [e.logprob for e in greedy] == pytest.approx([expected[0, 0], expected[1, 2]])
+    assert [t for t, _ in greedy[1].top] == [1, 2]  # ties (tokens 2 and 3) go to the lower id
+    params = SamplingParams(temperature=0.7, top_k=2, logprobs=3)
+    probs = truncated_distribution(logits, params)
+    sampled = token_logprobs(probs, [1, 1], params)
+    assert sampled[0].logprob == pytest.approx(np.log(probs[0, 1]))
+    assert [t for t, _ in sampled[0].top] == [0, 1]  # what top-k removed is no alternative
+    assert token_logprobs(logits, [0], SamplingParams(temperature=0, logprobs=0))[0].top == ()

@@ -2,8 +2,8 @@
 
 Drafters learn the target's own distribution (the paper trains on target-regenerated responses).
 `python -m dspark_export.demo.distill --target demo --out FILE.npz` writes one compressed file:
-`tokens` (uint16, sequences back to back), `starts`, `prompt_lengths`, `lengths` (int32 per
-sequence), `domains` (index into `domain_names`) and `greedy` (1 = greedy, 0 = sampled at T=1).
+`tokens` (uint16, or uint32 for vocabularies past 65,536, sequences back to back), `starts`, `prompt_lengths`,
+`lengths` (int32 per sequence), `domains` (index into `domain_names`) and `greedy` (1 = greedy, 0 = sampled at T=1).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dspark_export.demo.corpus import CHAT_PROMPT_END, DOMAINS, read_jsonl
+from dspark_export.drafters.data import token_dtype
 from dspark_export.model import Qwen3Model
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
@@ -98,7 +99,7 @@ def distill(
     sequences = [prompt + continuation for _, prompt, continuation, _ in records]
     lengths = np.array([len(s) for s in sequences], dtype=np.int32)
     return {
-        "tokens": np.concatenate([np.asarray(s, dtype=np.uint16) for s in sequences]),
+        "tokens": np.concatenate([np.asarray(s, dtype=token_dtype(model.config.vocab_size)) for s in sequences]),
         "starts": np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
         "lengths": lengths,
         "prompt_lengths": np.array([len(p) for _, p, _, _ in records], dtype=np.int32),

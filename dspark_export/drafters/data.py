@@ -11,9 +11,14 @@ import numpy as np
 from dspark_export.errors import CheckpointError
 
 
+def token_dtype(vocab_size: int) -> type:
+    """The narrowest unsigned type that holds every id of a vocabulary (Qwen3's 151,936 ids need 32 bits)."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
 @dataclass
 class Sequences:
-    tokens: np.ndarray  # uint16, back to back
+    tokens: np.ndarray  # uint16 (uint32 past 65,536 tokens), back to back
     starts: np.ndarray
     lengths: np.ndarray
     prompt_lengths: np.ndarray

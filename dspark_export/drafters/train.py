@@ -40,18 +40,27 @@ class DrafterTrainConfig:
 
 
 @torch.no_grad()
-def target_pass(target: Qwen3Model, tokens: torch.Tensor, feature_layers) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenated features [B, T, m·H] of `feature_layers` and the target's logits [B, T, V]."""
-    out = target(tokens, feature_layers=feature_layers)
-    return torch.cat([out.features[layer] for layer in feature_layers], -1), out.logits
+def target_pass(target: Qwen3Model, tokens: torch.Tensor, feature_layers,
+                at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated features [B, T, m·H] of `feature_layers` and the target's logits: [B, T, V], or [B, N, V] at
+    the positions `at` [B, N] only (at Qwen3's vocabulary, a full [8, 512, V] would take 2.5 GB)."""
+    last = target.config.num_hidden_layers - 1  # its feature is the final norm's output: the LM head's input
+    out = target(tokens, feature_layers=(*feature_layers, last), logits=False)
+    hidden = out.features[last]
+    if at is not None:
+        hidden = torch.gather(hidden, 1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+    return torch.cat([out.features[layer] for layer in feature_layers], -1), target.lm_head(hidden)
 
 
-def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator) -> dict:
+def block_drafter_loss(drafter, target, tokens, lengths, supervised_from, generator) -> dict:
     """DSpark / DFlash loss over `anchors` blocks per sequence, all in one drafter forward."""
     config = drafter.config
     batch, length = tokens.shape
     lead = config.block_rows - config.gamma
     anchors = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator)
+    # draft k's label x_{a+k+1} is predicted by the target at a+k
+    predicted_at = (anchors[..., None] + torch.arange(config.gamma)).clamp(max=length - 1).flatten(1)
+    features, target_at_slots = target_pass(target, tokens, config.feature_layers, predicted_at)
     blocks = build_blocks(tokens, lengths, supervised_from, anchors, config.gamma, config.mask_token_id, lead)
     context = drafter.fuse(features)
     hidden = drafter.backbone(
@@ -59,11 +68,8 @@ def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, targ
         torch.arange(length).expand(batch, length), block_mask(anchors, length, config.block_rows),
     ).view(*blocks.positions.shape, -1)
     logits, confidence = drafter.teacher_forced(hidden, blocks.previous)
-    # draft k's label x_{a+k+1} is predicted by the target at a+k; a draft vocabulary scores no other token
-    logits = drafter.in_target_vocab(logits[..., lead:, :], -1e4)
+    logits = drafter.in_target_vocab(logits[..., lead:, :], -1e4)  # a draft vocabulary scores no other token
     confidence = None if confidence is None else confidence[..., lead:]
-    predicted_at = (anchors[..., None] + torch.arange(config.gamma)).clamp(max=length - 1).flatten(1)
-    target_at_slots = torch.gather(target_logits, 1, predicted_at[..., None].expand(-1, -1, target_logits.shape[-1]))
     labels = blocks.labels
     if drafter.target_ids() is not None:  # a label outside the draft vocabulary adds no cross-entropy
         drafted = torch.zeros(config.target["vocab_size"], dtype=torch.bool).index_fill(0, drafter.target_ids(), True)
@@ -73,15 +79,13 @@ def block_drafter_loss(drafter, tokens, lengths, supervised_from, features, targ
 
 
 def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generator) -> dict:
+    if drafter.config.drafter_type != "eagle3":
+        return block_drafter_loss(drafter, target, tokens, lengths, supervised_from, generator)
     features, target_logits = target_pass(target, tokens, drafter.config.feature_layers)
-    if drafter.config.drafter_type == "eagle3":
-        # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
-        entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
-        step_logits = drafter.unroll(tokens, features, drafter.config.gamma, entries)
-        return eagle3_loss(
-            step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids()
-        )
-    return block_drafter_loss(drafter, tokens, lengths, supervised_from, features, target_logits, generator)
+    # the same anchors as the block drafters: entry t = a - 1 holds x_a and predicts x_{a+1}, ...
+    entries = sample_anchors(lengths, supervised_from, drafter.train_anchors, generator) - 1
+    step_logits = drafter.unroll(tokens, features, drafter.config.gamma, entries)
+    return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids())
 
 
 def train_drafter(drafter, targets: list[Qwen3Model], data: Sequences, run: Path, cfg: DrafterTrainConfig,
