@@ -115,19 +115,13 @@ def chat(
 
     from dspark_runtime.chat import ChatSession
     from dspark_runtime.engine import Engine
-    from dspark_runtime.sampling import SamplingParams
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
-        defaults = engine.generation_defaults()
-        params = SamplingParams(
-            max_tokens=max_tokens, seed=seed, stop=tuple(stop), repetition_penalty=repeat_penalty,
-            temperature=defaults.get("temperature", 0.8) if temperature is None else temperature,
-            top_k=defaults.get("top_k", 0) if top_k is None else top_k,
-            top_p=defaults.get("top_p", 1.0) if top_p is None else top_p,
-            min_p=defaults.get("min_p", 0.0) if min_p is None else min_p,
-        )
+        params = engine.default_params(max_tokens=max_tokens, seed=seed, stop=tuple(stop),
+                                       repetition_penalty=repeat_penalty, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, min_p=min_p)
         session = ChatSession(engine, params, spec, system, ctx, completion)
         if prompt is not None:
             text = []

@@ -253,7 +253,7 @@ class Engine:
         context is an error, or with `truncate` loses its beginning, leaving room for min(max_tokens, half the
         context) of reply (`Request.dropped_tokens` says how many). Anything wrong with the request raises
         `InvalidRequestError` here, before it is queued."""
-        params = SamplingParams() if params is None else params
+        params = self.default_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
         if spec is not None and not isinstance(spec, str):
@@ -313,6 +313,13 @@ class Engine:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, spec: str | None = None,
              **kwargs) -> Completion:
         return self.generate(messages, params, spec, **kwargs)
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        """The one place a request's unset fields are filled, for the API, the CLI and the server alike:
+        `SamplingParams`' defaults, then the model's `generation_config.json`, then each override that is not
+        None (validated by `SamplingParams`)."""
+        given = {key: value for key, value in overrides.items() if value is not None}
+        return SamplingParams(**(self.generation_defaults() | given))
 
     def generation_defaults(self) -> dict:
         """Sampling defaults from the model's generation_config.json (temperature, top_k, top_p, min_p)."""

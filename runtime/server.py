@@ -177,21 +177,20 @@ def logprobs_json(entries: list[TokenLogprob] | None, tokenizer: ChatTokenizer, 
             "top_logprobs": [{token(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
-def sampling_from(body: dict, defaults: dict, chat: bool) -> SamplingParams:
-    """The request's sampling settings, validated by SamplingParams itself (values are passed as sent)."""
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    stop = body.get("stop")
-    return SamplingParams(
-        max_tokens=256 if limit is None else limit,
-        temperature=body.get("temperature", defaults.get("temperature", 1.0)),
-        top_p=body.get("top_p", defaults.get("top_p", 1.0)),
-        top_k=body.get("top_k", defaults.get("top_k", 0)),
-        min_p=body.get("min_p", defaults.get("min_p", 0.0)),
-        presence_penalty=body.get("presence_penalty", 0.0),
-        frequency_penalty=body.get("frequency_penalty", 0.0),
-        repetition_penalty=body.get("repetition_penalty", 1.0),
+def sampling_from(body: dict, engine: Engine, chat: bool) -> SamplingParams:
+    """The request's sampling settings: what it sets (as sent, validated by SamplingParams), the engine's
+    defaults for the rest (`Engine.default_params`, as the CLI and the Python API)."""
+    return engine.default_params(
+        max_tokens=body.get("max_completion_tokens", body.get("max_tokens", 256)),
+        temperature=body.get("temperature"),
+        top_p=body.get("top_p"),
+        top_k=body.get("top_k"),
+        min_p=body.get("min_p"),
+        presence_penalty=body.get("presence_penalty"),
+        frequency_penalty=body.get("frequency_penalty"),
+        repetition_penalty=body.get("repetition_penalty"),
         seed=body.get("seed"),
-        stop=() if stop is None else stop,
+        stop=body.get("stop"),
         logprobs=requested_logprobs(body, chat),
     )
 
@@ -223,7 +222,6 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         ) from None
     if isinstance(options, str):
         options = ServerOptions(options, default_spec)
-    defaults = engine.generation_defaults()
     model_name = options.model_name
     model_names = (model_name, *({engine.manifest.target_name} - {model_name, None}))  # the target's name too
 
@@ -274,7 +272,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             body = parse_body(await read_body(request), CHAT_FIELDS if chat else COMPLETION_FIELDS,
                               "messages" if chat else "prompt", model_names)
             prompt = prompt_of(body, chat)
-            params = sampling_from(body, defaults, chat)
+            params = sampling_from(body, engine, chat)
             handle = await run_in_threadpool(
                 engine.submit, prompt, params, body.get("spec", options.default_spec), False, body.get("stream", False)
             )

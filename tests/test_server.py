@@ -394,3 +394,23 @@ def test_events_stay_one_line_whatever_the_text():
     event = sse({"text": "a\u2028b\x85c\nd"})
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[len("data: "):])["text"] == "a\u2028b\x85c\nd"
+
+
+def test_cli_server_and_api_fill_an_unset_temperature_alike(server, monkeypatch):
+    """A request that sets no temperature samples at the model's default (SamplingParams', or its
+    generation_config.json's) through the Python API, the server and the CLI alike."""
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import main
+    from dspark_runtime.server import sampling_from
+
+    _, engine = server
+    api = engine.submit("Hello", None, "off").sequence.params
+    served = sampling_from({"prompt": "Hello"}, engine, chat=False)
+    built = []
+    original = Engine.default_params
+    monkeypatch.setattr(Engine, "default_params", lambda self, **kw: built.append(original(self, **kw)) or built[-1])
+    result = CliRunner().invoke(main, [str(engine.folder), "-p", "Hello", "-n", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert api.temperature == served.temperature == built[0].temperature == SamplingParams().temperature
+    assert (api.top_p, api.top_k, api.min_p) == (served.top_p, served.top_k, served.min_p)
