@@ -15,6 +15,7 @@ from dspark_runtime.graph_io import DRAFTER_TYPES
 
 STREAMED_TARGET_BYTES = 1 << 30  # `train` reads a larger target's layers from its checkpoint as they run
 
+
 def target_options(command):
     """`--target NAME` and `--target-path DIR`, shared by every command that loads a target."""
     command = click.option("--target-path", type=click.Path(file_okay=False, path_type=str), default=None,
@@ -251,8 +252,8 @@ def train(
 
     spec = resolve_target(*default_to_demo(target, target_path))
     formats = weight_formats(target_weights)
-    # a target past STREAMED_TARGET_BYTES runs layer by layer from its checkpoint: the same features, a tenth of
-    # the memory (at Qwen3-1.7B shapes), a few percent more time
+    # a target past STREAMED_TARGET_BYTES runs layer by layer from its checkpoint: the same features without its
+    # layers in memory (7 GB at Qwen3-1.7B shapes)
     streamed = sum(f.stat().st_size for f in spec.require_path().glob("*.safetensors")) > STREAMED_TARGET_BYTES
     model, tokenizer = load_target(spec, streamed=streamed)
     layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None

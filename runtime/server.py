@@ -315,6 +315,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         hundreds of waiting streams do not queue the running ones' deltas behind them); a client that goes away,
         while its request runs or waits for a slot, cancels it within 0.1 s."""
         loop, changed, index = asyncio.get_running_loop(), asyncio.Event(), 0
+
         def wake() -> None:
             try:
                 loop.call_soon_threadsafe(changed.set)
