@@ -247,15 +247,18 @@ def train(
     from dspark_export.drafters.data import Sequences
     from dspark_export.drafters.draft_vocab import SOURCE_KEY, token_counts, write_counts
     from dspark_export.drafters.train import DrafterTrainConfig, new_drafter_config, train_drafter
-    from dspark_export.loading import load_drafters, load_target
+    from dspark_export.loading import lm_head_weight, load_drafters, load_target
     from dspark_export.presets import resolve_target
 
     spec = resolve_target(*default_to_demo(target, target_path))
     formats = weight_formats(target_weights)
     # a target past STREAMED_TARGET_BYTES runs layer by layer from its checkpoint: the same features without its
-    # layers in memory (7 GB at Qwen3-1.7B shapes)
+    # layers in memory (7 GB at Qwen3-1.7B shapes); a new drafter over a draft vocabulary has its own LM head, so
+    # the target's is read only when its logits are (2.5 GB at Qwen3-8B's)
     streamed = sum(f.stat().st_size for f in spec.require_path().glob("*.safetensors")) > STREAMED_TARGET_BYTES
-    model, tokenizer = load_target(spec, streamed=streamed)
+    stream_head = streamed and draft_vocab is not None and init_from is None
+    streaming = {"streamed": streamed, "stream_head": stream_head}
+    model, tokenizer = load_target(spec, **streaming)
     layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     start = init_from and load_drafters(spec, model, tokenizer, [init_from])[init_from]
     config = start.config if start else new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma,
@@ -271,9 +274,10 @@ def train(
         drafter.load_state_dict(start.state_dict())
     attach_target(drafter, model)
     if draft_vocab is not None:
-        drafter.draft_from(torch.from_numpy(ids), model.lm_head.weight.detach())
+        head = lm_head_weight(spec) if stream_head else model.lm_head.weight.detach()
+        drafter.draft_from(torch.from_numpy(ids), head)
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
-    targets = [model if name == "fp32" else load_target(spec, weights=name, streamed=streamed)[0] for name in formats]
+    targets = [model if name == "fp32" else load_target(spec, weights=name, **streaming)[0] for name in formats]
     train_drafter(drafter, targets, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
     if until is None or until >= steps:
         save_drafter(drafter, out, save_dtype)

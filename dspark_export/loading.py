@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.graphs.weights import WeightFormat
-from dspark_export.model import Qwen3Model
+from dspark_export.model import Qwen3Model, to_torch
 from dspark_export.presets import TargetSpec
 from dspark_export.errors import CheckpointError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 
-def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
-                streamed: bool = False) -> tuple[Qwen3Model, ChatTokenizer]:
+def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32", streamed: bool = False,
+                stream_head: bool = False) -> tuple[Qwen3Model, ChatTokenizer]:
     """The target model in `dtype` and its tokenizer, from the spec's checkpoint folder; with int8 or int4
     `weights`, every projection and the embedding hold the values an engine of that format computes with.
-    `streamed`: decoder layers read from the checkpoint as they run (`Qwen3Model.from_checkpoint`)."""
+    `streamed`, `stream_head`: decoder layers (and an untied LM head) read from the checkpoint as they run
+    (`Qwen3Model.from_checkpoint`)."""
     folder = spec.require_path()
     tokenizer = ChatTokenizer.from_dir(folder)
     if tokenizer.vocab_size > spec.config.vocab_size:
@@ -25,17 +28,21 @@ def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
         )
     fmt = WeightFormat(weights)
     return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype, streamed,
-                                      quantizer(fmt) if fmt.bits else None), tokenizer
+                                      quantizer(fmt) if fmt.bits else None, stream_head), tokenizer
+
+
+def lm_head_weight(spec: TargetSpec) -> torch.Tensor:
+    """The target's LM head [V, H] in float32, read from its checkpoint (for a model that streams it)."""
+    checkpoint = Checkpoint(spec.require_path(), spec.config)
+    return to_torch(*checkpoint.raw(checkpoint.lm_head_name())).float()
 
 
 def quantizer(weights: WeightFormat) -> Callable:
     """A tensor -> its block-quantized values (as `dspark_export.graphs` stores them) for every matrix whose rows
     split into blocks: features and logits as an int8/int4 engine's, up to its int8 activations."""
-    import torch
-
     from dspark_export.graphs.weights import quantized_values
 
-    def quantize(tensor: "torch.Tensor") -> "torch.Tensor":
+    def quantize(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.ndim != 2 or tensor.shape[1] % weights.block_size:
             return tensor
         rows = tensor.float().numpy()

@@ -183,11 +183,13 @@ class Qwen3Model(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, dtype: str | None = None, streamed: bool = False,
-                        transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "Qwen3Model":
+                        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        stream_head: bool = False) -> "Qwen3Model":
         """Build the model and fill it from a checkpoint, in `dtype` (default: the checkpoint's own), each tensor
-        passed through `transform` if given. `streamed` keeps only the embedding, the final norm and the LM head
-        in memory and reads each decoder layer from the checkpoint just before it runs, dropping it after: the
-        same numbers in a fraction of the memory (an inference-only model: its layers hold no parameters)."""
+        passed through `transform` if given. `streamed` keeps only the embedding, the final norm and the LM head in
+        memory and reads each decoder layer (and with `stream_head` an untied LM head too) from the checkpoint just
+        before it runs, dropping it after: the same numbers in a fraction of the memory (an inference-only model:
+        what it streams holds no parameters between calls)."""
         torch_dtype = TORCH_DTYPES[dtype or checkpoint.dtype]
         with torch.device("meta"):
             model = cls(checkpoint.config)
@@ -208,11 +210,15 @@ class Qwen3Model(nn.Module):
             module.to_empty(device="meta")
 
         if streamed:
-            for index, layer in enumerate(model.layers):
-                layer.register_forward_pre_hook(lambda module, args, prefix=f"layers.{index}.": load(module, prefix))
-                layer.register_forward_hook(drop)
+            streams = {f"layers.{index}.": layer for index, layer in enumerate(model.layers)}
+            if stream_head and not checkpoint.config.tie_word_embeddings:
+                streams["lm_head."] = model.lm_head
             for name in ("embed_tokens", "norm", "lm_head"):
-                load(getattr(model, name), name + ".")
+                if name + "." not in streams:
+                    load(getattr(model, name), name + ".")
+            for prefix, module in streams.items():
+                module.register_forward_pre_hook(lambda module, args, prefix=prefix: load(module, prefix))
+                module.register_forward_hook(drop)
         else:
             load(model, "")
         if checkpoint.config.tie_word_embeddings:

@@ -1,4 +1,5 @@
-"""Pieces every training loop here shares: the learning-rate schedule, the CPU precision, a resumable run folder.
+"""Pieces every training loop here shares: the learning-rate schedule, the CPU precision, a compact optimizer, a
+resumable run folder.
 
 A run folder holds `state.pt` (model, optimiser, step; replaced atomically) and `log.jsonl`.
 """
@@ -25,6 +26,38 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int, min_ratio: fl
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class CompactAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) that stores both moments in bfloat16: 4 bytes of state a
+    parameter instead of 8, which is what lets a drafter of a billion parameters train beside its target. Each
+    update is computed in float32, one parameter at a time."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
+                state["step"] += 1
+                grad = param.grad.float()
+                mean = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                square = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(mean)
+                state["exp_avg_sq"].copy_(square)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                denominator = square.div_(1 - beta2 ** state["step"]).sqrt_().add_(group["eps"])
+                param.addcdiv_(mean, denominator, value=-group["lr"] / (1 - beta1 ** state["step"]))
 
 
 class RunFolder:

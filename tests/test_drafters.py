@@ -255,3 +255,29 @@ def test_eagle3_training_unroll_sees_what_drafting_sees(target):
         assert torch.allclose(torch.softmax(every[step][0, anchor - 1], -1), draft.probs[0, step], atol=1e-5), step
         assert torch.allclose(some[step][0, 0], every[step][0, anchor - 1], atol=1e-5)
         assert torch.allclose(some[step][0, 1], every[step][0, 2], atol=1e-5)
+
+
+def test_compact_adamw_follows_adamw_with_half_the_state():
+    from dspark_export.training import CompactAdamW
+
+    torch.manual_seed(0)
+    inputs, weights = torch.randn(256, 32), torch.randn(32, 4)
+    targets = inputs @ weights
+    models = [torch.nn.Linear(32, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(models[0].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01),
+                  CompactAdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)]
+    losses = [[], []]
+    for _ in range(200):
+        for model, optimizer, curve in zip(models, optimizers, losses):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            curve.append(loss.item())
+    assert losses[1][-1] < 0.05 * losses[1][0]
+    assert abs(losses[1][-1] - losses[0][-1]) < 0.05 * losses[0][-1]
+    a, b = (torch.nn.utils.parameters_to_vector(m.parameters()) for m in models)
+    assert (a - b).norm() < 1e-2 * a.norm()
+    state = optimizers[1].state[models[1].weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16

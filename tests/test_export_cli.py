@@ -132,3 +132,30 @@ def test_a_torch_only_command_without_torch_names_the_extra():
     assert result.stderr.strip().splitlines()[-1] == (
         "Error: this command needs torch: pip install 'dspark[export]' (torch==2.13.0 first: a bare `torch` is a "
         "multi-GB CUDA build)")
+
+
+def test_training_beside_a_streamed_target_learns_exactly_what_it_learns_beside_a_resident_one(tmp_path, monkeypatch):
+    """What large targets get (layers and an untied LM head read from the checkpoint as they run, the compact
+    optimizer), forced on a tiny one: the same drafter as with the target in memory."""
+    from safetensors.numpy import load_file
+
+    from dspark_export import cli
+    from dspark_export.drafters import train
+    from tests.conftest import TEXT
+
+    target = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=False, vocab_size=300)
+    train_tokenizer(TEXT, target, vocab_size=300)
+    write_sequences(tmp_path / "data.npz")
+    monkeypatch.setattr(train, "COMPACT_OPTIMIZER_PARAMS", 0)
+    drafters = []
+    for limit in (1 << 40, 0):  # resident, then streamed
+        monkeypatch.setattr(cli, "STREAMED_TARGET_BYTES", limit)
+        out = tmp_path / f"drafter-{limit}"
+        torch.manual_seed(0)  # the new drafter's initial weights
+        result = CliRunner().invoke(main, ["train", "--target-path", str(target), "--data", str(tmp_path / "data.npz"),
+                                           "--out", str(out), "--steps", "2", "--batch", "2", "--anchors", "2",
+                                           "--gamma", "2", "--draft-vocab", "50"])
+        assert result.exit_code == 0, result.output
+        drafters.append(load_file(out / "model.safetensors"))
+    assert drafters[0].keys() == drafters[1].keys()
+    assert all(np.array_equal(drafters[0][name], drafters[1][name]) for name in drafters[0])

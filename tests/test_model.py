@@ -75,14 +75,18 @@ def test_a_streamed_target_computes_exactly_what_the_resident_one_does_and_holds
     train_tokenizer(TEXT, folder, vocab_size=300)
     spec = resolve_target(None, folder)
     resident, streamed = (load_target(spec, weights=weights, streamed=s)[0] for s in (False, True))
+    headless = load_target(spec, weights=weights, streamed=True, stream_head=True)[0]
     ids = torch.randint(0, 300, (2, 11))
     with torch.no_grad():
-        a, b = resident(ids, feature_layers=(0, 1, 2)), streamed(ids, feature_layers=(0, 1, 2))
-    assert torch.equal(a.logits, b.logits) and all(torch.equal(a.features[k], b.features[k]) for k in a.features)
+        a, b, c = (model(ids, feature_layers=(0, 1, 2)) for model in (resident, streamed, headless))
+    for other in (b, c):
+        assert torch.equal(a.logits, other.logits)
+        assert all(torch.equal(a.features[k], other.features[k]) for k in a.features)
     assert all(p.is_meta for p in streamed.layers.parameters())  # dropped again after the pass
     held = sum(p.numel() for p in streamed.parameters() if not p.is_meta)
     assert held == sum(p.numel() for name in ("embed_tokens", "norm", "lm_head")
                        for p in getattr(resident, name).parameters())
+    assert headless.lm_head.weight.is_meta and not headless.embed_tokens.weight.is_meta
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -2,7 +2,8 @@
 
 Each step: a batch of self-distillation sequences -> one target forward (features of the chosen layers
 and the target's logits) -> the drafter's loss over many anchor blocks per sequence (DSpark, DFlash)
-or over the unrolled steps at the same anchors (EAGLE-3) -> AdamW; bf16 autocast where the CPU has fast bf16
+or over the unrolled steps at the same anchors (EAGLE-3) -> AdamW (its moments in bf16 for drafters past
+100M trainable parameters); bf16 autocast where the CPU has fast bf16
 kernels (as the published drafters train in bf16). Resumable from the run folder.
 """
 
@@ -22,7 +23,10 @@ from dspark_export.drafters.data import Sequences
 from dspark_export.drafters.eagle3 import eagle3_loss
 from dspark_export.drafters.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, drafter_loss
 from dspark_export.model import Qwen3Model
-from dspark_export.training import RunFolder, bf16_autocast, learning_rate
+from dspark_export.training import CompactAdamW, RunFolder, bf16_autocast, learning_rate
+
+
+COMPACT_OPTIMIZER_PARAMS = 100_000_000  # a drafter with more trainable parameters keeps its moments in bfloat16
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ def train_drafter(drafter, targets: list[Qwen3Model], data: Sequences, run: Path
     drafter.train_anchors = cfg.anchors
     folder = RunFolder(run)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    adamw = CompactAdamW if sum(p.numel() for p in params) > COMPACT_OPTIMIZER_PARAMS else torch.optim.AdamW
+    optimizer = adamw(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     step = folder.resume(drafter, optimizer)
     usable = data.usable()
     warmup = max(1, int(cfg.warmup_fraction * cfg.steps))
