@@ -274,8 +274,8 @@ def train(
         drafter.load_state_dict(start.state_dict())
     attach_target(drafter, model)
     if draft_vocab is not None:
-        head = lm_head_weight(spec) if stream_head else model.lm_head.weight.detach()
-        drafter.draft_from(torch.from_numpy(ids), head)
+        drafter.draft_from(torch.from_numpy(ids),  # (a streamed head is read for this and let go: 2.3 GiB at 8B)
+                           lm_head_weight(spec) if stream_head else model.lm_head.weight.detach())
     cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
     targets = [model if name == "fp32" else load_target(spec, weights=name, **streaming)[0] for name in formats]
     train_drafter(drafter, targets, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
