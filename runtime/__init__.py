@@ -5,21 +5,27 @@
     out = engine.generate("def add(a, b):", SamplingParams(max_tokens=64, temperature=0.0), spec="fixed:4")
 """
 
-from dspark_runtime.engine import Completion, Engine, Request
-from dspark_runtime.errors import DSparkError, MissingDependencyError, TokenizerError
-from dspark_runtime.output import Delta
-from dspark_runtime.sampling import InvalidRequestError, SamplingParams
-from dspark_runtime.tokenizer import ChatTokenizer
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ChatTokenizer",
-    "Completion",
-    "DSparkError",
-    "Delta",
-    "Engine",
-    "InvalidRequestError",
-    "MissingDependencyError",
-    "Request",
-    "SamplingParams",
-    "TokenizerError",
-]
+# public name -> its module: imported on first use, so that `dspark_runtime.errors` (which the exporter imports)
+# does not load the engine, ONNX Runtime and the tokenizer
+_EXPORTS = {
+    "ChatTokenizer": "tokenizer",
+    "Completion": "engine",
+    "DSparkError": "errors",
+    "Delta": "output",
+    "Engine": "engine",
+    "InvalidRequestError": "sampling",
+    "MissingDependencyError": "errors",
+    "Request": "engine",
+    "SamplingParams": "sampling",
+    "TokenizerError": "errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dspark_runtime' has no attribute {name!r}")
+    return getattr(import_module(f"dspark_runtime.{_EXPORTS[name]}"), name)

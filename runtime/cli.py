@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
 
+if TYPE_CHECKING:
+    from dspark_runtime.engine import Engine
+
 
 def shared_pool() -> bool:
     """The commands run both graphs on ONNX Runtime's process-wide thread pool unless DSPARK_THREAD_POOL=session."""
     return os.environ.get("DSPARK_THREAD_POOL", "process") != "session"
+
+
+def engine_options(command):
+    """ENGINE_DIR (default: the bundled demo) and --threads, shared by every command that loads an engine."""
+    command = click.option("--threads", type=click.IntRange(min=1), default=None,
+                           help="ONNX Runtime threads (default: all cores).")(command)
+    return click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))(command)
+
+
+def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engine:
+    """The engine a command runs (the bundled demo when `engine_dir` is None), on the thread pool `shared_pool` says."""
+    from dspark_runtime.engine import Engine
+
+    return Engine.load(engine_dir, threads=threads, shared_pool=shared_pool(), **options)
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -62,7 +80,7 @@ Ctrl+C stops a reply; at an empty prompt it says how to quit."""
 
 
 @main.command()
-@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@engine_options
 @click.option(
     "-p", "--prompt", default=None, help="Answer this once and exit (stdin is read when it is not a terminal)."
 )
@@ -91,7 +109,6 @@ Ctrl+C stops a reply; at an empty prompt it says how to quit."""
 )
 @click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object.")
-@click.option("--threads", type=click.IntRange(min=1), default=None)
 def chat(
     engine_dir,
     prompt,
@@ -114,11 +131,10 @@ def chat(
     import sys
 
     from dspark_runtime.chat import ChatSession
-    from dspark_runtime.engine import Engine
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
+    with load_engine(engine_dir, threads) as engine:
         params = engine.default_params(max_tokens=max_tokens, seed=seed, stop=tuple(stop),
                                        repetition_penalty=repeat_penalty, temperature=temperature, top_k=top_k,
                                        top_p=top_p, min_p=min_p)
@@ -188,7 +204,7 @@ def _repl(session) -> None:
 
 
 @main.command()
-@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@engine_options
 @prompt_options
 @click.option("--modes", default="off,fixed:4", show_default=True, help="Comma-separated: off, fixed:K, sync, async.")
 @click.option(
@@ -208,7 +224,6 @@ def _repl(session) -> None:
     show_default=True,
     help="Rounds of all modes in turn; figures are medians, ratios taken within each round.",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="onnxruntime threads (default: all cores).")
 @click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
 @click.option(
     "--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier."
@@ -236,7 +251,6 @@ def bench(
       dspark-run bench --modes off,fixed:7 --domains code --limit 10 --repeats 5
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
-    from dspark_runtime.engine import Engine
     from dspark_runtime.sampling import SamplingParams
 
     if domains:
@@ -252,7 +266,7 @@ def bench(
                        f"step time: target {result['target_share_of_step_time']:.0%}, "
                        f"drafter {result['drafter_share_of_step_time']:.0%}", err=True)
 
-    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
+    with load_engine(engine_dir, threads) as engine:
         report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, repeats)
     click.echo(json.dumps(report, indent=None if as_json else 2))
     if plot and not plot_frontier(report, plot):
@@ -260,7 +274,7 @@ def bench(
 
 
 @main.command()
-@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@engine_options
 @click.option(
     "--context",
     type=click.IntRange(min=0),
@@ -270,7 +284,6 @@ def bench(
 )
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="Interleaved rounds over all sizes; each size's figure is the median of its rounds.")
-@click.option("--threads", type=click.IntRange(min=1), default=None)
 def profile(engine_dir, context, rounds, threads) -> None:
     """Measure target step time per batch size and drafter time per request count (hardware_curve.json).
 
@@ -279,10 +292,9 @@ def profile(engine_dir, context, rounds, threads) -> None:
     """
     from tqdm import tqdm
 
-    from dspark_runtime.engine import Engine
     from dspark_runtime.profiling import decode_tokens, target_sizes
 
-    with Engine.load(engine_dir, threads=threads, profile=False, shared_pool=shared_pool()) as engine:
+    with load_engine(engine_dir, threads, profile=False) as engine:
         total = len(target_sizes(decode_tokens(engine.core))) + (engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, rounds, lambda graph, n: bar.update())
@@ -294,11 +306,10 @@ def profile(engine_dir, context, rounds, threads) -> None:
 
 
 @main.command()
-@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@engine_options
 @prompt_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--bias", is_flag=True, help="Also fit an offset per position (beyond the paper's STS; for greedy).")
 @click.option("--json", "as_json", is_flag=True)
 def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json) -> None:
@@ -306,10 +317,9 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
     from tqdm import tqdm
 
     from dspark_runtime.calibrate import calibrate as run_calibration
-    from dspark_runtime.engine import Engine
     from dspark_runtime.sampling import SamplingParams
 
-    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
+    with load_engine(engine_dir, threads) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
             report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,
                                      bar.update, bias)
@@ -325,7 +335,7 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
 
 
 @main.command()
-@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (localhost by default).")
 @click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
 @click.option("--spec", default=None, help="Default speculation mode for requests (a request may send `spec`).")
@@ -334,7 +344,6 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
 @click.option("--api-key", default=lambda: os.environ.get("DSPARK_API_KEY"),
               help="Require `Authorization: Bearer KEY` (default: $DSPARK_API_KEY; none).")
 @click.option("--max-body", default="2MiB", show_default=True, help="Largest request body.")
-@click.option("--threads", type=click.IntRange(min=1), default=None)
 def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_body, threads) -> None:
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream: true for SSE).
 
@@ -344,11 +353,10 @@ def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_bod
       client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
       client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
     """
-    from dspark_runtime.engine import Engine
     from dspark_runtime.server import ServerOptions, serve as run_server
 
     limit = parse_size(max_body, "--max-body")
-    with Engine.load(engine_dir, threads=threads, shared_pool=shared_pool()) as engine:
+    with load_engine(engine_dir, threads) as engine:
         options = ServerOptions(model_name or engine.folder.name, spec, host, tuple(allow_host), api_key, limit)
         run_server(engine, options, port)
 

@@ -171,6 +171,16 @@ def test_runtime_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_an_error_class_does_not_load_the_engine():
+    """The exporter imports the runtime's errors; that must not load the engine, ONNX Runtime or the tokenizer."""
+    code = ("import sys, dspark_export.errors, dspark_runtime.errors; loaded = [m for m in sys.modules if m in "
+            "('dspark_runtime.engine', 'onnxruntime', 'tokenizers')]; print(loaded); sys.exit(1 if loaded else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from dspark_runtime import Engine, SamplingParams  # the package's names still resolve
+    assert Engine.__module__ == "dspark_runtime.engine" and SamplingParams.__name__ == "SamplingParams"
+
+
 @pytest.fixture(scope="module")
 def echo_engine_dir(tmp_path_factory):
     return build_echo_engine(tmp_path_factory.mktemp("echo"))
