@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_export.config import Qwen3Config
-from dspark_export.errors import CheckpointError
+from dspark_runtime.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

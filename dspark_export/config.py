@@ -6,8 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dspark_export.errors import CheckpointError, ConfigError
-from dspark_runtime.errors import read_json_file
+from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 
 SUPPORTED_ROPE = ("default", "linear")
 DTYPES = ("float32", "float16", "bfloat16")

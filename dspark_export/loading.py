@@ -10,7 +10,7 @@ from dspark_export.checkpoint import Checkpoint
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.model import Qwen3Model, to_torch
 from dspark_export.presets import TargetSpec
-from dspark_export.errors import CheckpointError
+from dspark_runtime.errors import CheckpointError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 

@@ -16,7 +16,7 @@ _EXPORTS = {
     "DSparkError": "errors",
     "Delta": "output",
     "Engine": "engine",
-    "InvalidRequestError": "sampling",
+    "InvalidRequestError": "errors",
     "MissingDependencyError": "errors",
     "Request": "engine",
     "SamplingParams": "sampling",

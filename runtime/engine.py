@@ -29,11 +29,11 @@ from dspark_runtime.engine_dir import (
     read_speed_curve,
     sts_by_temperature,
 )
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.errors import DSparkError, InvalidRequestError
 from dspark_runtime.output import Delta, OutputState
 from dspark_runtime.profiling import machine
 from dspark_runtime.randomness import KeyedRandom
-from dspark_runtime.sampling import InvalidRequestError, SamplingParams, TokenLogprob
+from dspark_runtime.sampling import SamplingParams, TokenLogprob
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.spec_mode import SpecMode

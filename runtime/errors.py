@@ -1,4 +1,5 @@
-"""The one exception hierarchy of DSpark: CLIs turn these into one clear line, never a traceback."""
+"""The one exception hierarchy of DSpark, the runtime's and the exporter's: CLIs turn these into one clear
+line, never a traceback."""
 
 import json
 from pathlib import Path
@@ -14,6 +15,18 @@ class TokenizerError(DSparkError):
 
 class MissingDependencyError(DSparkError):
     """An optional backend is not installed; the message names the extra that brings it."""
+
+
+class InvalidRequestError(DSparkError):
+    """A request that cannot run (bad sampling parameters, a prompt that does not fit)."""
+
+
+class ConfigError(DSparkError):
+    """A model or drafter configuration that DSpark cannot run (unknown preset, unsupported architecture)."""
+
+
+class CheckpointError(DSparkError):
+    """A checkpoint that is missing, incomplete, corrupt or does not match its configuration."""
 
 
 def read_json_file(file: Path, error: type[DSparkError] = DSparkError) -> dict:

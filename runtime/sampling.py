@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark_runtime.errors import DSparkError
-
-
-class InvalidRequestError(DSparkError):
-    """A request that cannot run (bad sampling parameters, a prompt that does not fit)."""
+from dspark_runtime.errors import InvalidRequestError
 
 
 TEMPERATURE_FLOOR = 1e-5  # a positive temperature below this samples greedily (float32 cannot divide by it)

@@ -25,8 +25,8 @@ from itertools import accumulate
 from typing import Any
 
 from dspark_runtime.engine import Engine, Request
-from dspark_runtime.errors import DSparkError, MissingDependencyError
-from dspark_runtime.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams, TokenLogprob
+from dspark_runtime.errors import DSparkError, InvalidRequestError, MissingDependencyError
+from dspark_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dspark_runtime.tokenizer import ChatTokenizer
 
 COMMON_FIELDS = {

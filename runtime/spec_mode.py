@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_runtime.sampling import InvalidRequestError
+from dspark_runtime.errors import InvalidRequestError
 
 MODES = ("off", "fixed", "sync", "async")
 

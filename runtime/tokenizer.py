@@ -152,7 +152,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def checked_text(text: str, what: str) -> str:
     """`text` if it is encodable text (no lone surrogates), else an InvalidRequestError naming `what`."""
-    from dspark_runtime.sampling import InvalidRequestError
+    from dspark_runtime.errors import InvalidRequestError
 
     try:
         text.encode("utf-8")
@@ -165,7 +165,7 @@ def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
     """OpenAI chat messages as the template wants them: a role and a string content (a list of text parts, as
     OpenAI clients send, is joined; None is empty). OpenAI's `developer` role is the system role chat templates
     know. Anything else is an InvalidRequestError."""
-    from dspark_runtime.sampling import InvalidRequestError
+    from dspark_runtime.errors import InvalidRequestError
 
     out = []
     for number, message in enumerate(messages):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_runtime import Engine, SamplingParams
-from dspark_runtime.sampling import InvalidRequestError
+from dspark_runtime.errors import InvalidRequestError
 
 torch = pytest.importorskip("torch")
 
@@ -173,7 +173,7 @@ def test_runtime_imports_no_torch():
 
 def test_an_error_class_does_not_load_the_engine():
     """The exporter imports the runtime's errors; that must not load the engine, ONNX Runtime or the tokenizer."""
-    code = ("import sys, dspark_export.errors, dspark_runtime.errors; loaded = [m for m in sys.modules if m in "
+    code = ("import sys, dspark_export.config, dspark_runtime.errors; loaded = [m for m in sys.modules if m in "
             "('dspark_runtime.engine', 'onnxruntime', 'tokenizers')]; print(loaded); sys.exit(1 if loaded else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

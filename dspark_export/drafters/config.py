@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_export.config import Qwen3Config
-from dspark_export.errors import CheckpointError, ConfigError
-from dspark_runtime.errors import read_json_file
+from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 from dspark_runtime.graph_io import DRAFTER_TYPES
 
 HEADS = ("markov", "gated", "rnn", "none")  # DeepSpec's markov_head_type names "markov" `vanilla`

@@ -15,10 +15,9 @@ from pathlib import Path
 
 from dspark_export.checkpoint import Checkpoint, index_tensors
 from dspark_export.config import Qwen3Config
-from dspark_export.errors import CheckpointError, ConfigError
+from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 from dspark_export.interop import deepspec, native, specforge, speculators, zlab
 from dspark_export.interop.source import DrafterSource, Target
-from dspark_runtime.errors import read_json_file
 
 LAYOUTS = (native, deepspec, speculators, zlab, specforge)
 
