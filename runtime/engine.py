@@ -48,6 +48,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    completion_tokens: int  # what the request generated, an end token included (what usage counts)
     stats: dict
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
@@ -123,7 +124,7 @@ class Request:
         s = self.sequence
         logprobs = None if s.params.logprobs is None else s.logprobs[: len(self.output.visible)]
         return Completion(self.output.sent_text, list(self.output.visible), s.finish_reason, len(s.prompt),
-                          s.stats.summary(len(s.generated)), logprobs)
+                          len(s.generated), s.stats.summary(len(s.generated)), logprobs)
 
 
 class Engine:

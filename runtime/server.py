@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from dspark_runtime.engine import Engine, Request
+from dspark_runtime.engine import Completion, Engine, Request
 from dspark_runtime.errors import DSparkError, InvalidRequestError, MissingDependencyError
 from dspark_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dspark_runtime.tokenizer import ChatTokenizer
@@ -296,8 +296,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
                                   "logprobs": logprobs_json(result.logprobs, engine.tokenizer, chat)}
         choice |= {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(handle.sequence.generated),
-                 "total_tokens": result.prompt_tokens + len(handle.sequence.generated)}
+        usage = usage_of(result)
         return JSONResponse(
             {
                 "id": ident,
@@ -348,8 +347,8 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         try:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            failed, sent = False, 0
             try:
-                sent = 0
                 async for delta in deltas(request, handle):
                     logprobs = logprobs_json(delta.logprobs, engine.tokenizer, chat, sent)
                     part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text}
@@ -358,13 +357,12 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             except DSparkError as exc:  # this request failed: say so, and end its stream properly
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
                 yield chunk([{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "error"}])
-            if (body.get("stream_options") or {}).get("include_usage"):
-                prompt_tokens, completion_tokens = len(handle.sequence.prompt), len(handle.sequence.generated)
-                yield chunk([], usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                       "total_tokens": prompt_tokens + completion_tokens})
+                failed = True
+            if (body.get("stream_options") or {}).get("include_usage") and not failed:
+                yield chunk([], usage=usage_of(handle.result()))
             yield "data: [DONE]\n\n"
         finally:
-            if handle.sequence.finish_reason is None:  # the client went away mid-stream
+            if not handle.done:  # the client went away mid-stream
                 handle.cancel()
 
     async def not_found(request: HttpRequest, exc) -> JSONResponse:
@@ -377,6 +375,12 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+
+
+def usage_of(result: Completion) -> dict:
+    """OpenAI's `usage` object of a finished request."""
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
 def sse(payload: dict) -> str:

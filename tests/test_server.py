@@ -172,6 +172,15 @@ def test_logprobs_are_the_targets_whatever_the_speculation(server):
         "logprobs"] is None
 
 
+def test_a_stream_reports_its_usage_when_asked(server):
+    url, _ = server
+    body = completion(max_tokens=9, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
+    assert events[-1]["usage"]["total_tokens"] == events[-1]["usage"]["prompt_tokens"] + 9
+
+
 def test_concurrent_requests(server):
     url, _ = server
     prompts = ["Hello", "def add(", "The answer", "Hello there"] * 2
