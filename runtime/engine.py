@@ -42,6 +42,8 @@ from dspark_runtime.tokenizer import ChatTokenizer, TokenizerError, chat_message
 Prompt = str | list[int] | list[dict[str, Any]]
 
 
+QUICK_PROFILE_ROUNDS = 3  # on load: about 4 s for the demo on 2 cores (`dspark-run profile` takes 5 rounds)
+
 @dataclass
 class Completion:
     text: str
@@ -186,8 +188,8 @@ class Engine:
             where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve)}"
             if profile:
                 print(f"profiling {folder.name} {where} (the speed curve the draft scheduler runs on; a few "
-                      "seconds)...", file=sys.stderr)
-                engine.profile()
+                      "seconds; `dspark-run profile` measures it more closely)...", file=sys.stderr)
+                engine.profile(rounds=QUICK_PROFILE_ROUNDS)
             elif elsewhere:
                 print(f"warning: {HARDWARE_CURVE} of {folder.name} was measured {_described(curve)}; `sync` and "
                       "`async` schedule from it until `dspark-run profile` measures this one", file=sys.stderr)
