@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark_export.checkpoint import Checkpoint, expected_shapes
-from dspark_export.config import DTYPES, Qwen3Config
+from dspark_export.config import DTYPES, DecoderConfig
 from dspark_export.drafters.draft_vocab import COUNTS_FILE, DraftVocab, default_draft_vocab, with_draft_vocab
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.graphs.target import attention_for, build_target_onnx
@@ -62,7 +62,7 @@ def float_weights(dtype: str) -> WeightFormat:
     return WeightFormat(next(name for name, of in FLOAT_WEIGHTS.items() if of == dtype))
 
 
-def check_options(config: Qwen3Config, backend: str, dtype: str, weights: WeightFormat,
+def check_options(config: DecoderConfig, backend: str, dtype: str, weights: WeightFormat,
                   drafter_weights: WeightFormat | None) -> None:
     """Refuse an unsupported combination, naming the option, before anything is written."""
     if dtype not in DTYPES:

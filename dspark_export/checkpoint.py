@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_runtime.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -108,8 +108,8 @@ def as_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.astype(np.float32)
 
 
-def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3 checkpoint must hold, by its Hugging Face name."""
+def expected_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this architecture must hold, by its Hugging Face name."""
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
@@ -124,12 +124,15 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
             p + "mlp.gate_proj.weight": (i, h),
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
     return shapes
 
 
@@ -166,7 +169,7 @@ def index_tensors(folder: Path) -> dict[str, TensorInfo]:
 class Checkpoint:
     """The tensors of one checkpoint folder, by name, checked against its architecture."""
 
-    def __init__(self, path: str | Path, config: Qwen3Config):
+    def __init__(self, path: str | Path, config: DecoderConfig):
         self.path = Path(path)
         self.config = config
         self.tensors = index_tensors(self.path)

@@ -22,6 +22,7 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: str
         "weights": str(spec.path) if spec.path else None,
         "searched": [str(p) for p in spec.searched],
         "architecture": {
+            "family": config.architecture.hf_class.removesuffix("ForCausalLM"),
             "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
@@ -64,8 +65,9 @@ def format_report(report: dict[str, Any]) -> str:
         ("weights", weights),
         (
             "architecture",
-            f"Qwen3, {arch['layers']} layers, hidden {arch['hidden_size']}, FFN {arch['intermediate_size']}, "
-            f"{arch['attention_heads']} query / {arch['kv_heads']} KV heads x {arch['head_dim']}",
+            f"{arch['family']}, {arch['layers']} layers, hidden {arch['hidden_size']}, "
+            f"FFN {arch['intermediate_size']}, {arch['attention_heads']} query / {arch['kv_heads']} KV heads "
+            f"x {arch['head_dim']}",
         ),
         (
             "rope",

@@ -8,18 +8,18 @@ import torch
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.graphs.weights import WeightFormat
-from dspark_export.model import Qwen3Model, to_torch
+from dspark_export.model import DecoderModel, to_torch
 from dspark_export.presets import TargetSpec
 from dspark_runtime.errors import CheckpointError
 from dspark_runtime.tokenizer import ChatTokenizer
 
 
 def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32", streamed: bool = False,
-                stream_head: bool = False) -> tuple[Qwen3Model, ChatTokenizer]:
+                stream_head: bool = False) -> tuple[DecoderModel, ChatTokenizer]:
     """The target model in `dtype` and its tokenizer, from the spec's checkpoint folder; with int8 or int4
     `weights`, every projection and the embedding hold the values an engine of that format computes with.
     `streamed`, `stream_head`: decoder layers (and an untied LM head) read from the checkpoint as they run
-    (`Qwen3Model.from_checkpoint`)."""
+    (`DecoderModel.from_checkpoint`)."""
     folder = spec.require_path()
     tokenizer = ChatTokenizer.from_dir(folder)
     if tokenizer.vocab_size > spec.config.vocab_size:
@@ -27,7 +27,7 @@ def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
             f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
         )
     fmt = WeightFormat(weights)
-    return Qwen3Model.from_checkpoint(Checkpoint(folder, spec.config), dtype, streamed,
+    return DecoderModel.from_checkpoint(Checkpoint(folder, spec.config), dtype, streamed,
                                       quantizer(fmt) if fmt.bits else None, stream_head), tokenizer
 
 
@@ -51,7 +51,7 @@ def quantizer(weights: WeightFormat) -> Callable:
     return quantize
 
 
-def load_drafters(spec: TargetSpec, model: Qwen3Model, tokenizer: ChatTokenizer, names: list[str],
+def load_drafters(spec: TargetSpec, model: DecoderModel, tokenizer: ChatTokenizer, names: list[str],
                   draft_vocab=None) -> dict:
     """Torch drafters for the target, by folder, bundled name or cached repo id, in any layout DSpark reads;
     with a `DraftVocab`, each pruned to it."""

@@ -1,7 +1,8 @@
-"""Qwen3 decoder in torch: the target model for training drafters and the numerical oracle for export.
+"""The decoder in torch (Qwen3, Qwen2.5, Llama-3.x by its config): the target model for training drafters and the
+numerical oracle for export.
 
-Read top-down: RMSNorm, rotary tables, attention (GQA, q/k-norm), SwiGLU MLP, decoder layer,
-KV cache, model. Weights load from a Hugging Face checkpoint by their own tensor names.
+Read top-down: RMSNorm, rotary tables, attention (GQA; q/k-norm or q/k/v biases as the architecture has them),
+SwiGLU MLP, decoder layer, KV cache, model. Weights load from a Hugging Face checkpoint by their own tensor names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,10 +33,10 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_tables(config: Qwen3Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for absolute positions [B, T] -> [B, 1, T, D], computed in float32 (linear scaling divides positions)."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=positions.device) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents) / config.rope_factor
+def rope_tables(config: DecoderConfig, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for absolute positions [B, T] -> [B, 1, T, D], computed in float32 from the config's frequencies."""
+    inv_freq = torch.from_numpy(config.inverse_frequencies()).to(positions.device)
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -64,16 +65,17 @@ class LayerCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DecoderConfig):
         super().__init__()
         d, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.head_dim = d
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        norm = (lambda: RMSNorm(d, config.rms_norm_eps)) if config.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [B, T, H] -> rotated k [B, Hkv, T, D] and v [B, Hkv, T, D]."""
@@ -115,7 +117,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DecoderConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
@@ -133,10 +135,10 @@ class TargetOutput:
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, T, H]
 
 
-class Qwen3Model(nn.Module):
-    """A Qwen3 causal LM. Module names mirror the Hugging Face checkpoint's tensor names."""
+class DecoderModel(nn.Module):
+    """A causal LM. Module names mirror the Hugging Face checkpoint's tensor names."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -184,7 +186,7 @@ class Qwen3Model(nn.Module):
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, dtype: str | None = None, streamed: bool = False,
                         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                        stream_head: bool = False) -> "Qwen3Model":
+                        stream_head: bool = False) -> "DecoderModel":
         """Build the model and fill it from a checkpoint, in `dtype` (default: the checkpoint's own), each tensor
         passed through `transform` if given. `streamed` keeps only the embedding, the final norm and the LM head in
         memory and reads each decoder layer (and with `stream_head` an untied LM head too) from the checkpoint just
@@ -233,7 +235,7 @@ def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.array(array))
 
 
-def save_checkpoint(model: Qwen3Model, folder, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:
+def save_checkpoint(model: DecoderModel, folder, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:
     """Write `config.json` and `model.safetensors` (or shards plus an index) in Hugging Face layout."""
     import json
     from pathlib import Path

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_export.config import DTYPE_BYTES, Qwen3Config
+from dspark_export.config import DTYPE_BYTES, DecoderConfig
 from dspark_runtime.errors import ConfigError
 from dspark_export.graphs.weights import WeightFormat
 
@@ -13,17 +13,15 @@ DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told othe
 CONTEXT_STEP = 256  # a budget-sized context is rounded down to a multiple of this
 
 
-def weight_bytes(config: Qwen3Config, weights: WeightFormat, dtype: str) -> int:
-    """Bytes of an engine's target weights: projections (and embeddings) in the weight format, norms in `dtype`."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    layer = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 3 * h * i
-    matrices = config.num_hidden_layers * layer + config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    norms = config.num_hidden_layers * (2 * h + 2 * d) + h
+def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str) -> int:
+    """Bytes of an engine's target weights: projections (and embeddings) in the weight format, norms and biases in
+    `dtype`."""
+    matrices, vectors = config.parameter_counts()
     if weights.bits is None:
         per_weight = DTYPE_BYTES[dtype]
     else:  # codes, and one float scale per block
         per_weight = weights.bits / 8 + DTYPE_BYTES[dtype] / weights.block_size
-    return int(matrices * per_weight) + norms * DTYPE_BYTES[dtype]
+    return int(matrices * per_weight) + vectors * DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class EngineSize:
                 f"{human_bytes(self.kv_bytes)} = {human_bytes(self.total_bytes)}")
 
 
-def size_engine(config: Qwen3Config, slots: int, dtype: str, weights: WeightFormat, gamma: int = 0,
+def size_engine(config: DecoderConfig, slots: int, dtype: str, weights: WeightFormat, gamma: int = 0,
                 max_context: int | None = None, kv_memory: int | None = None) -> EngineSize:
     """The engine's context (`max_context`, else the most the KV budget holds, at most the model's positions)
     and its memory. The KV cache of a drafter, a few layers, is not counted."""

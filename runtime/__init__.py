@@ -18,6 +18,7 @@ _EXPORTS = {
     "Engine": "engine",
     "InvalidRequestError": "errors",
     "MissingDependencyError": "errors",
+    "OrtBackend": "backend",
     "Request": "engine",
     "SamplingParams": "sampling",
     "TokenizerError": "errors",

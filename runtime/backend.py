@@ -1,4 +1,5 @@
-"""ONNX Runtime sessions for the engine's graphs (the runtime has no TensorRT backend yet).
+"""The ONNX Runtime backend: a session per graph, each a `GraphRunner` (`dspark_runtime.runner`) holding its KV
+caches (the runtime has no TensorRT runner yet).
 
 The target and the drafter run one after the other on the same cores. With their own pools (the default,
 safe beside other ONNX Runtime sessions in the same process) each pool spins during its run and stops the
@@ -13,7 +14,10 @@ The `dspark-run` commands use the shared pool (`DSPARK_THREAD_POOL=session` turn
 from __future__ import annotations
 
 import os
+import platform
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +25,7 @@ from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, 
 from dspark_runtime.errors import DSparkError, MissingDependencyError
 from dspark_runtime.graph_io import GraphIO
 from dspark_runtime.kv_cache import KVCache
+from dspark_runtime.runner import Batch
 
 ORT_TYPES = {
     "int64": "tensor(int64)",
@@ -49,10 +54,10 @@ def share_thread_pool(threads: int) -> None:
         _POOL_THREADS.append(threads)
 
 
-class OrtGraph:
+class OrtRunner:
     """One ONNX graph in an InferenceSession, checked against its contract, with its KV caches bound once (for an
-    in-place graph as both its past inputs and present outputs). `run(feeds)` takes exactly the graph's other
-    inputs and returns its other outputs by name."""
+    in-place graph as both its past inputs and present outputs, which the graph appends to itself; for the others
+    the runner writes the graph's `new_*` rows at the batch's cache rows)."""
 
     def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None,
                  shared_pool: bool = False):
@@ -86,7 +91,14 @@ class OrtGraph:
         first = len(self.cache.values) if io.in_place else 0  # bound outputs come back in the order they were bound
         self.output_positions = range(first, first + len(self.output_names))
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        outputs = self.run_feeds(batch.feeds(self.io))
+        if not self.io.in_place:
+            self.cache.write(*batch.cache_rows(), outputs)
+        return outputs
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run on exactly the graph's other inputs (caches untouched but by an in-place graph)."""
         if feeds.keys() != self.inputs:
             missing, unknown = sorted(self.inputs - feeds.keys()), sorted(feeds.keys() - self.inputs)
             raise DSparkError(f"the {self.io.graph} graph was fed wrong inputs (missing {missing}, unknown {unknown})")
@@ -123,18 +135,50 @@ def check_contract(session, io: GraphIO, path: Path) -> None:
         raise EngineError(f"{path.name} {problem}; rebuild the engine with `dspark-export build --force`")
 
 
-def open_graphs(folder: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                providers: list[str] | None = None, shared_pool: bool = False) -> tuple[OrtGraph, OrtGraph | None]:
-    """(target, drafter) runners for an engine directory."""
-    if backend == "trt":
-        raise MissingDependencyError("the runtime cannot run TensorRT engines yet; load this engine with backend='ort' "
-                                     "(ONNX Runtime runs its ONNX graphs)")
-    if providers and "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
-        raise MissingDependencyError(
-            "CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'"
-        )
-    threads = threads or os.cpu_count() or 1
-    target = OrtGraph(folder / TARGET_GRAPH, manifest.target_io(), threads, providers, shared_pool)
-    drafter_io = manifest.drafter_io()
-    drafter = OrtGraph(folder / DRAFTER_GRAPH, drafter_io, threads, providers, shared_pool) if drafter_io else None
-    return target, drafter
+@dataclass(frozen=True)
+class OrtBackend:
+    """ONNX Runtime's settings: `threads` per session (None: every core), execution `providers` (default: the CPU),
+    and whether both sessions share the process's thread pool (see the module's docstring)."""
+
+    threads: int | None = None
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    shared_pool: bool = False
+
+    @property
+    def thread_count(self) -> int:
+        return self.threads or os.cpu_count() or 1
+
+    def open(self, folder: Path, manifest: Manifest) -> tuple[OrtRunner, OrtRunner | None]:
+        """(target, drafter) runners of an engine directory."""
+        if manifest.backend == "trt":
+            raise MissingDependencyError("the runtime cannot run TensorRT engines yet; build an ONNX Runtime engine "
+                                         "(dspark-export build --backend ort)")
+        providers = list(self.providers)
+        if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
+            raise MissingDependencyError(
+                "CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'"
+            )
+        target = OrtRunner(folder / TARGET_GRAPH, manifest.target_io(), self.thread_count, providers, self.shared_pool)
+        drafter_io = manifest.drafter_io()
+        drafter = drafter_io and OrtRunner(folder / DRAFTER_GRAPH, drafter_io, self.thread_count, providers,
+                                           self.shared_pool)
+        return target, drafter
+
+    def machine(self) -> dict[str, Any]:
+        """What a speed curve depends on besides the engine: the processor, its cores, the threads and their pool
+        (the process's shared pool keeps spinning between runs: a step costs less), the runtime."""
+        import onnxruntime
+
+        return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": self.thread_count,
+                "thread_pool": "shared" if self.shared_pool else "per-session", "provider": self.providers[0],
+                "onnxruntime": onnxruntime.__version__}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

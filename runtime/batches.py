@@ -41,6 +41,9 @@ class TargetBatch:
     def feeds(self, io: GraphIO) -> dict[str, np.ndarray]:
         return _feeds(self, io)
 
+    def cache_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.slot, self.pos
+
     @cached_property
     def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(new tokens per slot, [T, 2] each token's slot and offset among its slot's, the slot-padded rows,
@@ -105,6 +108,9 @@ class DraftBatch:
 
     def feeds(self, io: GraphIO) -> dict[str, np.ndarray]:
         return _feeds(self, io)
+
+    def cache_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.context_slot, self.context_pos
 
     @cached_property
     def _rows(self) -> np.ndarray:

@@ -67,19 +67,19 @@ def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: 
     """One mode's figures from its completions, its wall time and the step loop's seconds by part."""
     share = {part: spent[part] / spent["step"] if spent["step"] else 0.0 for part in ("schedule", "target", "drafter")}
     generated = sum(len(r.token_ids) for r in results)
-    steps = sum(r.stats["steps"] for r in results)
+    steps = sum(r.stats.steps for r in results)
     return {
         "mode": spec,
         "concurrency": concurrency,
         "tokens_per_s": generated / elapsed,
         "per_request_tokens_per_s": float(
-            np.median([r.stats["tokens_per_s"] for r in results if r.stats["tokens_per_s"]] or [0.0])
+            np.median([r.stats.tokens_per_s for r in results if r.stats.tokens_per_s] or [0.0])
         ),
         "tau": generated / steps if steps else 0.0,
         "steps": steps,
         "generated_tokens": generated,
         "seconds": elapsed,
-        "accepted_per_step": float(np.mean([r.stats["accepted_per_step"] for r in results])),
+        "accepted_per_step": float(np.mean([r.stats.accepted_per_step for r in results])),
         "scheduler_share_of_step_time": share["schedule"],
         "target_share_of_step_time": share["target"],
         "drafter_share_of_step_time": share["drafter"],

@@ -41,7 +41,7 @@ def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bo
             )
             for index, row in enumerate(rows)
         ]
-        held_out_ids = {request.sequence.request_id for request in requests[1::2]}
+        held_out_ids = {request.id for request in requests[1::2]}
         for request in requests:
             request.result()
             if progress:

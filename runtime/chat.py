@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from dspark_runtime.engine import Engine
+from dspark_runtime.engine import Completion, Engine
 from dspark_runtime.output import Delta
 from dspark_runtime.sampling import SamplingParams
 
@@ -19,25 +19,26 @@ class ChatSession:
     context: int | None = None  # tokens of history kept (default: the engine's context less max_tokens)
     completion: bool = False  # plain text continuation instead of the chat template
     history: list[dict] = field(default_factory=list)
-    last_stats: dict | None = None
+    last: Completion | None = None  # the last reply
     dropped_tokens: int = 0  # of the last prompt, left out to fit the context
 
     def clear(self) -> None:
         self.history.clear()
 
-    def prompt_for(self, user_text: str):
-        """The request for the next turn: chat messages (oldest turns dropped to fit) or plain text."""
+    def prompt_for(self, user_text: str) -> str | list[int]:
+        """The next turn's prompt: the chat template's token ids, oldest turns dropped to fit (each message
+        rendered and tokenized once), or plain text."""
         if self.completion:
             return user_text
         context = self.context or self.engine.manifest.max_context
         budget = max(context - self.params.max_tokens - 1, context // 2)  # leave room for the reply
         head = [{"role": "system", "content": self.system}] if self.system else []
         turns = self.history + [{"role": "user", "content": user_text}]
+        tokenizer = self.engine.tokenizer
         while True:
-            messages = head + turns
-            if len(turns) <= 1 or len(self.engine.tokenizer.encode(
-                    self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))) <= budget:
-                return messages
+            ids = tokenizer.encode(tokenizer.apply_chat_template(head + turns, add_generation_prompt=True))
+            if len(turns) <= 1 or len(ids) <= budget:
+                return ids
             turns = turns[2:]  # drop the oldest user/assistant pair
 
     def send(self, user_text: str) -> Iterator[Delta]:
@@ -50,7 +51,7 @@ class ChatSession:
                 text.append(delta.text)
                 yield delta
         finally:
-            if request.sequence.finish_reason is None:
+            if not request.done:
                 request.cancel()
                 request.wait(10)  # the step loop ends it within a step: its figures are final then
             if not self.completion:
@@ -58,8 +59,4 @@ class ChatSession:
                     {"role": "user", "content": user_text},
                     {"role": "assistant", "content": "".join(text)},
                 ]
-            s = request.sequence
-            self.last_stats = s.stats.summary(len(s.generated)) | {
-                "tokens": len(s.generated),
-                "finish_reason": s.finish_reason,
-            }
+            self.last = request.completion

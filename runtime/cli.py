@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import click
@@ -11,7 +12,7 @@ import click
 from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
 
 if TYPE_CHECKING:
-    from dspark_runtime.engine import Engine
+    from dspark_runtime.engine import Completion, Engine
 
 
 def shared_pool() -> bool:
@@ -28,9 +29,10 @@ def engine_options(command):
 
 def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engine:
     """The engine a command runs (the bundled demo when `engine_dir` is None), on the thread pool `shared_pool` says."""
+    from dspark_runtime.backend import OrtBackend
     from dspark_runtime.engine import Engine
 
-    return Engine.load(engine_dir, threads=threads, shared_pool=shared_pool(), **options)
+    return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()), **options)
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -63,13 +65,21 @@ def main() -> None:
     """
 
 
-def summary_line(stats: dict) -> str:
+def summary_line(reply: Completion) -> str:
     """The figures after a reply: τ is tokens per target step; drafts are counted per verification round."""
+    stats = reply.stats
     return (
-        f"[{stats['tokens_per_s']:.1f} tok/s, {stats['tau']:.2f} tokens/step, "
-        f"{stats['accepted_per_step']:.2f} drafts accepted/round, TTFT {(stats['ttft_s'] or 0) * 1e3:.0f} ms, "
-        f"{stats['tokens']} tokens, {stats['finish_reason']}]"
+        f"[{stats.tokens_per_s:.1f} tok/s, {stats.tau:.2f} tokens/step, "
+        f"{stats.accepted_per_step:.2f} drafts accepted/round, TTFT {(stats.ttft_s or 0) * 1e3:.0f} ms, "
+        f"{reply.completion_tokens} tokens, {reply.finish_reason}]"
     )
+
+
+def stats_json(reply: Completion | None) -> dict:
+    """A reply's figures, its token count and finish reason, as `--json` and /stats print them."""
+    if reply is None:
+        return {}
+    return asdict(reply.stats) | {"tokens": reply.completion_tokens, "finish_reason": reply.finish_reason}
 
 
 CHAT_HELP = """/clear  forget the conversation
@@ -146,11 +156,11 @@ def chat(
                 if not as_json:
                     click.echo(delta.text, nl=False)
             if as_json:
-                click.echo(json.dumps({"text": "".join(text), "finish_reason": session.last_stats["finish_reason"],
-                                       "stats": session.last_stats}))
+                click.echo(json.dumps({"text": "".join(text), "finish_reason": session.last.finish_reason,
+                                       "stats": stats_json(session.last)}))
             else:
                 click.echo()
-                click.echo(summary_line(session.last_stats), err=True)
+                click.echo(summary_line(session.last), err=True)
             return
         _repl(session)
 
@@ -183,7 +193,7 @@ def _repl(session) -> None:
             click.echo("(conversation cleared)", err=True)
             continue
         if command == "/stats":
-            click.echo(json.dumps(session.last_stats or {}), err=True)
+            click.echo(json.dumps(stats_json(session.last)), err=True)
             continue
         if command in ("/help", "/?"):
             click.echo(CHAT_HELP, err=True)
@@ -199,8 +209,8 @@ def _repl(session) -> None:
         except KeyboardInterrupt:
             click.echo("\n(interrupted)", err=True)
         click.echo()
-        if session.last_stats:
-            click.echo(summary_line(session.last_stats), err=True)
+        if session.last:
+            click.echo(summary_line(session.last), err=True)
 
 
 @main.command()

@@ -9,14 +9,13 @@ a prefix and emits one more token per request -> accepted K/V stay committed (th
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import numpy as np
 
 from dspark_calibration.sts import prefix_survival
-from dspark_runtime.backend import OrtGraph
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.engine_dir import Manifest
 from dspark_runtime.errors import DSparkError
@@ -24,10 +23,11 @@ from dspark_runtime.kv_cache import SlotPool
 from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_runtime.randomness import EMIT
+from dspark_runtime.runner import GraphRunner
 from dspark_runtime.sequence import Sequence
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
-TextSink = Callable[[Sequence, list[int]], bool]  # visible tokens -> whether a stop string appeared
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 Result = TypeVar("Result")
 
 
@@ -46,15 +46,17 @@ class _Row:
 class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
-    def __init__(self, manifest: Manifest, target: OrtGraph, drafter: OrtGraph | None, text: TextSink,
+    def __init__(self, manifest: Manifest, target: GraphRunner, drafter: GraphRunner | None,
                  curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
         self.manifest = manifest
-        self.target, self.drafter, self.text = target, drafter, text
+        self.target, self.drafter = target, drafter
         self.gamma = manifest.gamma if drafter else 0
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.changed: list[Sequence] = []  # requests with new tokens or a finish in the current step
+        # requests ended so far, by finish reason (every key present: another thread may copy it while it counts)
+        self.finished = Counter(dict.fromkeys(FINISH_REASONS, 0))
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
@@ -110,9 +112,7 @@ class EngineCore:
             return
         lengths = self._timed("schedule", self._schedule, [s for s in self.active if s.decoding])
         rows, batch = self._target_batch(lengths)
-        outputs = self._timed("target", self.target.run, batch.feeds(self.target.io))
-        if not self.target.io.in_place:
-            self.target.cache.write(batch.slot, batch.pos, outputs)
+        outputs = self._timed("target", self.target.run, batch)
         for row in rows:
             self._isolated(row.sequence, self._advance, row, outputs)
         self._draft(self._gated([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None]))
@@ -256,6 +256,9 @@ class EngineCore:
         """Append a step's tokens to the request and decide whether it finishes: an end or stop token, its token
         budget, a full context, or a stop string in the text (which the text sink reports). `rows`: the processed
         target rows the tokens were emitted at (their log-probabilities, when the request asks)."""
+        if not np.isfinite(rows[np.arange(len(tokens)), tokens]).all():  # argmax and sampling both pick a NaN
+            raise DSparkError("the target's logits for this request are not finite (NaN or inf): its numbers "
+                              "overflowed; an fp32 engine may not")
         s.stats.steps += 1
         if s.stats.first_token is None:
             s.stats.first_token = time.perf_counter()
@@ -274,7 +277,7 @@ class EngineCore:
             s.logprobs += token_logprobs(rows, tokens[: len(s.generated) - len(s.logprobs)], s.params)
         if reason is None and s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit
             reason = "length"
-        if self.text(s, visible) and reason is None:
+        if s.stop_text(visible) and reason is None:
             reason = "stop"
         self.changed.append(s)
         if reason:
@@ -291,9 +294,7 @@ class EngineCore:
         if not sequences:
             return
         batch = DraftBatch([request for _, request in prepared if request is not None], cache_len)
-        outputs = self._timed("drafter", self.drafter.run, batch.feeds(self.drafter.io))
-        if not self.drafter.io.in_place:
-            self.drafter.cache.write(batch.context_slot, batch.context_pos, outputs)
+        outputs = self._timed("drafter", self.drafter.run, batch)
         for index, s in enumerate(sequences):
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
@@ -330,6 +331,7 @@ class EngineCore:
         if sequence.finish_reason is None:
             sequence.finish_reason = reason
             sequence.stats.finished = time.perf_counter()
+            self.finished[reason] += 1
         if sequence not in self.changed:
             self.changed.append(sequence)
 

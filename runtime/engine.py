@@ -6,7 +6,6 @@ from other threads are batched into the same steps.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dspark_runtime.core import EngineCore
-from dspark_runtime.backend import OrtGraph, open_graphs
+from dspark_runtime.backend import OrtBackend
 from dspark_runtime.engine_dir import (
     HARDWARE_CURVE,
     EngineError,
@@ -31,11 +30,11 @@ from dspark_runtime.engine_dir import (
 )
 from dspark_runtime.errors import DSparkError, InvalidRequestError
 from dspark_runtime.output import Delta, OutputState
-from dspark_runtime.profiling import machine
 from dspark_runtime.randomness import KeyedRandom
+from dspark_runtime.runner import Backend, GraphRunner
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
 from dspark_runtime.scheduler import SpeedCurve
-from dspark_runtime.sequence import Sequence
+from dspark_runtime.sequence import RequestStats, Sequence
 from dspark_runtime.spec_mode import SpecMode
 from dspark_runtime.tokenizer import ChatTokenizer, TokenizerError, chat_messages, checked_text
 
@@ -44,36 +43,46 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 QUICK_PROFILE_ROUNDS = 3  # on load: about 4 s for the demo on 2 cores (`dspark-run profile` takes 5 rounds)
 
-@dataclass
+@dataclass(frozen=True)
 class Completion:
+    """A finished request, as the step loop recorded it when it ended."""
+
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", "length", "cancelled" or "error"
     prompt_tokens: int
     completion_tokens: int  # what the request generated, an end token included (what usage counts)
-    stats: dict
+    stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Request:
     """A submitted request: iterate it for deltas, `result()` for the whole completion, `cancel()` to stop. A
     request submitted with `stream=False` gets one delta, at its end. Iterating again, from any thread, replays
-    the deltas from the first; `result()` may be called any number of times."""
+    the deltas from the first; `result()` may be called any number of times. What the step loop works on stays
+    inside the engine: a request carries its deltas, and the `Completion` the loop made when it ended."""
 
     def __init__(self, engine: "Engine", sequence: Sequence, output: OutputState, stream: bool = True):
-        self.engine, self.sequence, self.output, self.stream = engine, sequence, output, stream
+        self.engine, self._sequence, self.output, self.stream = engine, sequence, output, stream
+        self.id, self.params, self.prompt_tokens = sequence.request_id, sequence.params, len(sequence.prompt)
         self.dropped_tokens = 0  # the prompt's first tokens left out to fit the context (`truncate=True`)
+        self.completion: Completion | None = None  # set by the step loop as the request ends
         self._changed = threading.Condition()
         self._deltas: list[Delta] = []
         self._error: Exception | None = None
         self._listeners: list[Callable[[], None]] = []
 
     @property
+    def finish_reason(self) -> str | None:
+        """Why the request ended, None while it runs."""
+        return self.completion and self.completion.finish_reason
+
+    @property
     def done(self) -> bool:
         return self._error is not None or bool(self._deltas and self._deltas[-1].finish_reason)
 
     def cancel(self) -> None:
-        self.sequence.cancelled = True
+        self._sequence.cancelled = True
         self.engine._wake()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -121,12 +130,17 @@ class Request:
             yield delta
 
     def result(self) -> Completion:
+        """The whole completion, once the request has ended (its error raised, if it failed)."""
         for _ in self:
             pass
-        s = self.sequence
-        logprobs = None if s.params.logprobs is None else s.logprobs[: len(self.output.visible)]
-        return Completion(self.output.sent_text, list(self.output.visible), s.finish_reason, len(s.prompt),
-                          len(s.generated), s.stats.summary(len(s.generated)), logprobs)
+        return self.completion
+
+    def _end(self, sequence: Sequence) -> None:
+        """The step loop's side: record the completion of a request that has just ended."""
+        logprobs = None if sequence.params.logprobs is None else sequence.logprobs[: len(self.output.visible)]
+        generated = len(sequence.generated)
+        self.completion = Completion(self.output.sent_text, list(self.output.visible), sequence.finish_reason,
+                                     self.prompt_tokens, generated, sequence.stats.summary(generated), logprobs)
 
 
 class Engine:
@@ -137,16 +151,16 @@ class Engine:
         folder: Path,
         manifest: Manifest,
         tokenizer: ChatTokenizer,
-        target: OrtGraph,
-        drafter: OrtGraph | None,
+        target: GraphRunner,
+        drafter: GraphRunner | None,
         curve: SpeedCurve | None = None,
         calibration: dict[float, dict] | None = None,
         machine: dict | None = None,
     ):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
-        self.machine = machine or {}  # what the speed curve is measured on (`profiling.machine`)
+        self.machine = machine or {}  # what the speed curve is measured on (the backend's `machine()`)
         self.core = EngineCore(
-            manifest, target, drafter, self._text, curve, sts_by_temperature(calibration or {}) or None
+            manifest, target, drafter, curve, sts_by_temperature(calibration or {}) or None
         )
         self._ids = count()
         self._requests: dict[int, Request] = {}
@@ -158,16 +172,13 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def load(cls, path: str | Path | None = None, backend: str = "auto", threads: int | None = None,
-             providers: list[str] | None = None, profile: bool = True, shared_pool: bool = False) -> "Engine":
+    def load(cls, path: str | Path | None = None, backend: Backend | None = None, profile: bool = True) -> "Engine":
         """Load an engine directory (None: the bundled demo, built into the user cache on first use, which a
-        line on stderr announces). `backend` "auto" runs what the manifest was built for.
+        line on stderr announces) onto `backend` (default: ONNX Runtime on every core, `OrtBackend`).
 
         An engine with a drafter but no hardware_curve.json, or one measured on another machine or with another
         thread count, is profiled first, announced by a line on stderr (`profile=False` skips it: then `sync`/`async`
-        are unavailable without a curve, and a line warns about a curve from elsewhere). `shared_pool` runs both
-        graphs on ONNX Runtime's process-wide thread pool: faster on few cores, but every ONNX Runtime session
-        the process creates afterwards must then set `use_per_session_threads = False` (see `backend`).
+        are unavailable without a curve, and a line warns about a curve from elsewhere).
         """
         folder = Path(path) if path is not None else _demo_engine()
         manifest = read_manifest(folder)
@@ -177,10 +188,9 @@ class Engine:
                               f"{manifest.vocab_size}; rebuild the engine with `dspark-export build --force`")
         curve = read_speed_curve(folder, manifest)
         calibration = read_calibration(folder, manifest.gamma)
-        threads = threads or os.cpu_count() or 1
-        target, drafter = open_graphs(folder, manifest, manifest.backend if backend == "auto" else backend, threads,
-                                      providers, shared_pool)
-        here = machine(threads, providers or ["CPUExecutionProvider"], shared_pool)
+        backend = backend or OrtBackend()
+        target, drafter = backend.open(folder, manifest)
+        here = backend.machine()
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
                      here)
         elsewhere = curve is not None and curve.get("machine") != here
@@ -215,6 +225,10 @@ class Engine:
         with self._lock:
             return {"active": len(self.core.active), "waiting": len(self.core.waiting) + len(self._inbox),
                     "free_slots": len(self.core.slots.free), "slots": self.core.slots.total}
+
+    def finish_reasons(self) -> dict[str, int]:
+        """How many requests have ended so far, by finish reason ("stop", "length", "cancelled", "error")."""
+        return dict(self.core.finished)
 
     @contextmanager
     def record_rounds(self) -> Iterator[list[tuple[int, np.ndarray, int]]]:
@@ -282,11 +296,11 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
         ends = set() if params.ignore_eos else set(self.manifest.eos_token_ids)
-        sequence = Sequence(next(self._ids), ids, params, mode, KeyedRandom(seed),
-                            frozenset(ends | set(params.stop_token_ids)))
         output = OutputState(
             lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream
         )
+        sequence = Sequence(next(self._ids), ids, params, mode, KeyedRandom(seed),
+                            frozenset(ends | set(params.stop_token_ids)), stop_text=output.add)
         request = Request(self, sequence, output, stream)
         request.dropped_tokens = whole - len(ids)
         with self._lock:
@@ -310,7 +324,7 @@ class Engine:
         try:
             yield from request
         finally:
-            if request.sequence.finish_reason is None:
+            if not request.done:
                 request.cancel()
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, spec: str | None = None,
@@ -383,25 +397,20 @@ class Engine:
         self.core.waiting.clear()
         return failed
 
-    def _text(self, sequence: Sequence, tokens: list[int]) -> bool:
-        """The step loop's text sink: decode the request's new visible tokens; True on a stop string."""
-        request = self._requests.get(sequence.request_id)
-        return request is not None and request.output.add(tokens)
-
     def _publish(self, sequence: Sequence) -> None:
         """Hand a request the text it has not seen yet, and its end when it finished."""
         request = self._requests.get(sequence.request_id)
         if request is None or (sequence.finish_reason is None and not request.stream):
             return
+        start = request.output.sent_tokens
+        delta = request.output.take(sequence.finish_reason)
         if sequence.finish_reason is not None:
             with self._lock:
                 self._requests.pop(sequence.request_id, None)
+            request._end(sequence)
         if sequence.error is not None:
             request._deliver(sequence.error)
-            return
-        start = request.output.sent_tokens
-        delta = request.output.take(sequence.finish_reason)
-        if delta is not None:
+        elif delta is not None:
             if sequence.params.logprobs is not None:
                 delta.logprobs = sequence.logprobs[start : start + len(delta.token_ids)]
             request._deliver(delta)
@@ -411,7 +420,7 @@ class Engine:
         with self._lock:
             self._closed = True
             for request in list(self._requests.values()):
-                request.sequence.cancelled = True
+                request.cancel()
             self._work.notify()
         self._thread.join(timeout=30)
 

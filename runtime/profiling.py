@@ -6,7 +6,7 @@ decoding step can send (S requests x (γ + 1) tokens; every B up to 16, then eve
 the drafter with R requests, each bringing a few new context positions, and once with many more, for the cost
 of each further position (what a drafter call pays to catch up after steps that did not draft). Every size is
 timed in interleaved rounds with robust statistics (`dspark_calibration.timing`). The file records the machine
-it was measured on (`machine()`), so that an engine moved to another machine, or run with another thread
+it was measured on (the backend's `machine()`), so that an engine moved to another machine, or run with another thread
 count, is profiled again instead of scheduled from another machine's costs.
 """
 
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Callable
 
@@ -39,27 +37,7 @@ def decode_tokens(core: EngineCore) -> int:
     return min(core.manifest.max_batch_tokens, core.manifest.cache_slots * (core.gamma + 1))
 
 
-def machine(threads: int, providers: list[str], shared_pool: bool = False) -> dict:
-    """What a speed curve depends on besides the engine: the processor, its cores, the threads and their pool
-    (the process's shared pool keeps spinning between runs: a step costs less), the runtime."""
-    import onnxruntime
-
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "thread_pool": "shared" if shared_pool else "per-session", "provider": providers[0],
-            "onnxruntime": onnxruntime.__version__}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.ndarray]:
+def target_batch(core: EngineCore, tokens: int, context: int) -> TargetBatch:
     """A step of `tokens` new tokens spread over min(tokens, S) requests, each with `context` cached positions."""
     slots = core.manifest.cache_slots
     requests = min(tokens, slots)
@@ -67,19 +45,16 @@ def target_feeds(core: EngineCore, tokens: int, context: int) -> dict[str, np.nd
     per_request[: tokens % requests] += 1
     cache_len = np.zeros(slots, dtype=np.int64)
     cache_len[:requests] = context
-    batch = TargetBatch(np.full(tokens, 5), np.concatenate([context + np.arange(n) for n in per_request]),
-                        np.repeat(np.arange(requests), per_request), cache_len, np.arange(tokens))
-    return batch.feeds(core.target.io)
+    return TargetBatch(np.full(tokens, 5), np.concatenate([context + np.arange(n) for n in per_request]),
+                       np.repeat(np.arange(requests), per_request), cache_len, np.arange(tokens))
 
 
-def drafter_feeds(
-    core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS
-) -> dict[str, np.ndarray]:
+def draft_batch(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> DraftBatch:
     """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
     width = core.drafter.io.input("context_features").shape[1]
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
-    batch = DraftBatch(
+    return DraftBatch(
         [
             DraftRequest(
                 slot=slot,
@@ -95,29 +70,28 @@ def drafter_feeds(
         ],
         cache_len,
     )
-    return batch.feeds(core.drafter.io)
 
 
 def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,
             progress: Callable[[str, int], None] | None = None) -> dict:
     """Measure both tables in `rounds` interleaved rounds and write `hardware_curve.json` into the engine
-    directory, with `machine_record` (`machine()`) and the largest spread between rounds of each table."""
+    directory, with `machine_record` (the backend's `machine()`) and the largest spread between rounds of each table."""
     manifest = core.manifest
     context = min(context, manifest.max_context - manifest.max_batch_tokens - core.gamma - 1)
     context = max(context, 0)
     sizes = target_sizes(decode_tokens(core))
-    target = cost_table(sizes, lambda b: lambda: core.target.run(target_feeds(core, b, context)), rounds,
+    target = cost_table(sizes, lambda b: lambda: core.target.run(target_batch(core, b, context)), rounds,
                         progress=progress and (lambda n: progress("target", n)))
     draft_seconds, draft_spread, per_row = np.zeros(manifest.cache_slots), 0.0, 0.0
     if core.gamma:
         draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: core.drafter.run(drafter_feeds(core, r, context)), rounds,
+                           lambda r: lambda: core.drafter.run(draft_batch(core, r, context)), rounds,
                            progress=progress and (lambda n: progress("drafter", n)))
         draft_seconds, draft_spread = draft.seconds, float(draft.spreads.max())
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
-        feeds = drafter_feeds(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
-        long = median_seconds(lambda: core.drafter.run(feeds), 3 * rounds)
+        batch = draft_batch(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
+        long = median_seconds(lambda: core.drafter.run(batch), 3 * rounds)
         per_row = max(0.0, float(long - draft_seconds[requests - 1]) / (extra * requests))
     curve = {
         "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, target.seconds)],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -22,18 +23,31 @@ class Stats:
     first_token: float | None = None
     finished: float | None = None
 
-    def summary(self, generated: int) -> dict:
+    def summary(self, generated: int) -> "RequestStats":
         ttft = None if self.first_token is None else self.first_token - self.started
         decode_time = None if self.first_token is None or self.finished is None else self.finished - self.first_token
-        return {
-            "tau": generated / self.steps if self.steps else 0.0,
-            "steps": self.steps,
-            "rounds": self.rounds,
-            "accepted_per_step": self.accepted / self.rounds if self.rounds else 0.0,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "tokens_per_s": (generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
-            "ttft_s": ttft,
-        }
+        return RequestStats(
+            tau=generated / self.steps if self.steps else 0.0,
+            steps=self.steps,
+            rounds=self.rounds,
+            accepted_per_step=self.accepted / self.rounds if self.rounds else 0.0,
+            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
+            tokens_per_s=(generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
+            ttft_s=ttft,
+        )
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """A finished request's figures."""
+
+    tau: float  # tokens per target step
+    steps: int  # target steps that gave it tokens
+    rounds: int  # verification rounds with at least one draft
+    accepted_per_step: float  # drafts accepted per round
+    acceptance_rate: float  # drafts accepted per draft verified
+    tokens_per_s: float  # after the first token
+    ttft_s: float | None  # seconds to the first token
 
 
 NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -63,6 +77,7 @@ class Sequence:
     error: Exception | None = None  # why a request finished with "error"
     cancelled: bool = False
     stats: Stats = field(default_factory=Stats)
+    stop_text: Callable[[list[int]], bool] = lambda tokens: False  # new visible tokens -> a stop string appeared
 
     @property
     def decoding(self) -> bool:

@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -305,7 +305,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
                 "model": model_name,
                 "choices": [choice],
                 "usage": usage,
-                "dspark": result.stats,
+                "dspark": asdict(result.stats),
             }
         )
 

@@ -17,6 +17,9 @@ from typing import Any
 from dspark_runtime.errors import TokenizerError, read_json_file
 
 
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # Llama-3's template opens with {{ bos_token }}
+
+
 def _template_environment():  # jinja2 is imported only when a template is rendered
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,6 +55,7 @@ class ChatTokenizer:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     special: dict[str, int] = field(default_factory=dict)
+    template_tokens: dict[str, str] = field(default_factory=dict)  # bos_token etc., as transformers hands templates
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ChatTokenizer":
@@ -89,7 +93,9 @@ class ChatTokenizer:
         ):
             if candidate is not None and candidate not in eos_ids:
                 eos_ids.append(int(candidate))
-        return cls(backend, template, tuple(eos_ids), token_id(config.get("pad_token")), special)
+        named = {key: _token_text(config.get(key)) for key in TEMPLATE_TOKENS}
+        return cls(backend, template, tuple(eos_ids), token_id(config.get("pad_token")), special,
+                   {key: text for key, text in named.items() if text is not None})
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +136,8 @@ class ChatTokenizer:
 
         try:
             template = _template_environment().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **(self.template_tokens | variables))
         except TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from None
 

@@ -33,7 +33,7 @@ def bench_drafter(name: str, args) -> dict:
     from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.graphs.weights import WeightFormat
     from dspark_export.presets import resolve_target
-    from dspark_runtime import Engine, SamplingParams
+    from dspark_runtime import Engine, OrtBackend, SamplingParams
     from dspark_runtime.bench import run_benchmark
     from dspark_runtime.calibrate import calibrate
     from dspark_runtime.prompts import demo_prompts_path, read_prompts
@@ -47,7 +47,7 @@ def bench_drafter(name: str, args) -> dict:
     by_domain = {d: [r for r in rows if r.get("domain") == d] for d in DOMAINS}
     held_out = read_prompts(demo_prompts_path(), args.skip)
     figures: dict = {}
-    with Engine.load(folder, threads=args.threads) as engine:
+    with Engine.load(folder, OrtBackend(args.threads)) as engine:
         gamma = engine.gamma
         if engine.manifest.drafter.get("confidence"):
             for temperature in args.temperatures:

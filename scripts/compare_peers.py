@@ -176,9 +176,9 @@ def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, s
 
 
 def dspark_runner(engine_dir: str | None, max_tokens: int, threads: int, modes: list[str], **_) -> dict[str, Generate]:
-    from dspark_runtime import Engine, SamplingParams
+    from dspark_runtime import Engine, OrtBackend, SamplingParams
 
-    engine = Engine.load(engine_dir, threads=threads, shared_pool=True)
+    engine = Engine.load(engine_dir, OrtBackend(threads, shared_pool=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return {mode: (lambda ids, mode=mode: engine.generate(ids, params, spec=mode).token_ids) for mode in modes}
 

@@ -23,14 +23,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from dspark_runtime import Engine, SamplingParams
+    from dspark_runtime import Engine, OrtBackend, SamplingParams
     from dspark_runtime.bench import run_mode
     from dspark_runtime.prompts import demo_prompts_path, read_prompts
 
     rows = read_prompts(demo_prompts_path(), args.limit)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     results = []
-    with Engine.load(args.engine_dir, threads=args.threads, shared_pool=True) as engine:
+    with Engine.load(args.engine_dir, OrtBackend(args.threads, shared_pool=True)) as engine:
         engine.generate(
             rows[0]["prompt"], SamplingParams(max_tokens=4, temperature=args.temperature), spec="sync"
         )  # warm-up

@@ -22,14 +22,14 @@ import numpy as np
 
 def run_graph(engine: Path, ids: list[int]) -> np.ndarray:
     """The logits of a whole prompt run as one prefill step through an engine's target graph."""
-    from dspark_runtime.backend import open_graphs
+    from dspark_runtime.backend import OrtBackend
     from dspark_runtime.batches import TargetBatch
     from dspark_runtime.engine_dir import read_manifest
 
-    graph, _ = open_graphs(engine, read_manifest(engine), "ort")
+    graph, _ = OrtBackend().open(engine, read_manifest(engine))
     batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
                         np.arange(len(ids)))
-    return graph.run(batch.feeds(graph.io))["logits"]
+    return graph.run(batch)["logits"]
 
 
 def main() -> None:

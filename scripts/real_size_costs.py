@@ -38,11 +38,11 @@ def random_drafter(target_dir: Path, out: Path, layers: int) -> Path:
         return out
     import torch
 
-    from dspark_export.config import Qwen3Config
+    from dspark_export.config import DecoderConfig
     from dspark_export.drafters.checkpoint import build_drafter
     from dspark_export.drafters.config import DrafterConfig, default_feature_layers
 
-    target = Qwen3Config.from_dir(target_dir)
+    target = DecoderConfig.from_dir(target_dir)
     config = DrafterConfig(drafter_type="dspark", target=target.architecture_fields() | {"dtype": "bfloat16"},
                            vocab_hash=None, mask_token_id=3, num_layers=layers,
                            feature_layers=default_feature_layers(target.num_hidden_layers, layers), markov_rank=256)
@@ -100,7 +100,7 @@ def main() -> None:
     from dspark_export.graphs.weights import WeightFormat
     from dspark_export.interop import open_drafter
     from dspark_export.presets import demo_dir, resolve_target
-    from dspark_runtime.backend import OrtGraph, share_thread_pool
+    from dspark_runtime.backend import OrtRunner, share_thread_pool
     from dspark_runtime.batches import TargetBatch
     from dspark_runtime.engine_dir import read_manifest
     from dspark_runtime.tokenizer import ChatTokenizer
@@ -122,13 +122,13 @@ def main() -> None:
     options = ort.SessionOptions()
     options.use_per_session_threads = False
     manifest = read_manifest(engine_dir)
-    target = OrtGraph(engine_dir / "target.onnx", manifest.target_io(), args.threads, shared_pool=True)
+    target = OrtRunner(engine_dir / "target.onnx", manifest.target_io(), args.threads, shared_pool=True)
     context, cache_len = 256, np.array([256])
     calls = {}
     for tokens in range(1, 9):
         batch = TargetBatch(np.full(tokens, 5), context + np.arange(tokens), np.zeros(tokens, np.int64), cache_len,
                             np.arange(tokens))
-        calls[f"t{tokens}"] = lambda feeds=batch.feeds(target.io): target.run(feeds)
+        calls[f"t{tokens}"] = lambda feeds=batch.feeds(target.io): target.run_feeds(feeds)
     variants = []
     tokenizer_size = ChatTokenizer.from_dir(checkpoint_dir).vocab_size
     for (layers, source), vocab, weights in itertools.product(sources.items(), map(int, args.draft_vocab.split(",")),

@@ -1,5 +1,5 @@
-"""Shared helpers and fixtures: tiny random Qwen3 checkpoints written by `transformers` in Hugging Face
-layout, drafters for them, and engines built from both."""
+"""Shared helpers and fixtures: tiny random Qwen3, Qwen2.5 and Llama-3 checkpoints written by `transformers` in
+Hugging Face layout, drafters for them, and engines built from both."""
 
 from __future__ import annotations
 
@@ -27,17 +27,25 @@ TINY = dict(
 )
 
 
-def write_hf_checkpoint(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    """Save a randomly initialised `transformers.Qwen3ForCausalLM` (fp32) and return its folder."""
+HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "llama": ("LlamaConfig", "LlamaForCausalLM")}
+
+
+def write_hf_checkpoint(folder: Path, seed: int = 0, max_shard_size: str | None = None, architecture: str = "qwen3",
+                        **overrides) -> Path:
+    """Save a randomly initialised `transformers` model of `architecture` (a model_type: qwen3, qwen2, llama; fp32)
+    and return its folder."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[architecture])
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**(TINY | overrides))
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # random norms, so a wrong norm weight mapping cannot hide behind all-ones
+    model = model_class(config_class(**(TINY | overrides))).eval()
+    with torch.no_grad():  # random norms and biases, so that a wrong mapping cannot hide behind ones and zeros
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder
@@ -71,12 +79,12 @@ def write_sequences(file, count=12, length=24):
 
 def write_drafter(target_folder, out, **overrides):
     """A randomly initialised drafter for the target in `target_folder` (DSpark, one layer, γ = 3 by default)."""
-    from dspark_export.config import Qwen3Config
+    from dspark_export.config import DecoderConfig
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
     from dspark_export.drafters.config import DrafterConfig
     from dspark_runtime.tokenizer import ChatTokenizer
 
-    config = Qwen3Config.from_dir(target_folder)
+    config = DecoderConfig.from_dir(target_folder)
     fields = dict(drafter_type="dspark", target=config.architecture_fields() | {"dtype": "float32"},
                   vocab_hash=ChatTokenizer.from_dir(target_folder).vocab_hash(), mask_token_id=3, num_layers=1,
                   gamma=3, feature_layers=(1,), markov_rank=8)
@@ -141,17 +149,15 @@ def write_curve(folder: Path, target_seconds: list[float], draft_seconds: list[f
                 shared_pool: bool = False) -> None:
     """A stand-in hardware_curve.json, recorded as measured on this machine with `threads` threads (so that
     `Engine.load` with those threads schedules from it instead of profiling again)."""
-    from dspark_runtime.profiling import machine
-
     curve = {"target_seconds": target_seconds, "draft_seconds": draft_seconds,
-             "machine": machine(threads, ["CPUExecutionProvider"], shared_pool)}
+             "machine": OrtBackend(threads, shared_pool=shared_pool).machine()}
     (folder / "hardware_curve.json").write_text(json.dumps(curve))
 
 
 # ---- losslessness: the target graph's exact joint of the first two tokens, and sampled pairs against it ----
 
 from dspark_runtime import SamplingParams  # noqa: E402
-from dspark_runtime.backend import open_graphs  # noqa: E402
+from dspark_runtime.backend import OrtBackend  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
 from dspark_runtime.engine_dir import read_manifest  # noqa: E402
 from dspark_runtime.sampling import target_rows  # noqa: E402
@@ -162,7 +168,7 @@ SAMPLES = 3000
 def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
     """The target graph's own distribution of the first two tokens: a prefill of the prompt, then of each
     continuation the first token can take."""
-    target, _ = open_graphs(engine_dir, read_manifest(engine_dir), "ort", threads=1)
+    target, _ = OrtBackend(threads=1).open(engine_dir, read_manifest(engine_dir))
     slots = read_manifest(engine_dir).cache_slots
 
     def last_logits(ids: list[int]) -> np.ndarray:
@@ -173,7 +179,7 @@ def exact_joint(engine_dir, prompt_ids, params) -> dict[tuple[int, int], float]:
             np.zeros(slots, np.int64),
             np.asarray([len(ids) - 1]),
         )
-        return target.run(batch.feeds(target.io))["logits"]
+        return target.run_feeds(batch.feeds(target.io))["logits"]
 
     first = target_rows(last_logits(prompt_ids), np.asarray(prompt_ids), np.zeros(0, np.int64), params)[0]
     joint = {}
@@ -197,7 +203,7 @@ def sample_pairs(engine, prompt_ids, params, spec, rounds: list[int] | None = No
         pair = tuple(result.token_ids[:2])
         counts[pair] = counts.get(pair, 0) + 1
         if rounds is not None:
-            rounds.append(result.stats["rounds"])
+            rounds.append(result.stats.rounds)
     return counts
 
 

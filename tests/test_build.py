@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_runtime.engine_dir import EngineError, read_manifest  # noqa: E402
 from tests.conftest import write_drafter, write_hf_checkpoint  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_bad_inputs(tmp_path, target):
     other = write_drafter(
         target,
         tmp_path / "other",
-        target=Qwen3Config.from_dir(target).architecture_fields() | {"hidden_size": 32, "num_attention_heads": 2},
+        target=DecoderConfig.from_dir(target).architecture_fields() | {"hidden_size": 32, "num_attention_heads": 2},
     )
     result = build("--target-path", str(target), "--drafter", str(other), "--out", str(tmp_path / "e1"))
     assert result.exit_code != 0 and "hidden_size=32, but this target has hidden_size=64" in result.output
@@ -212,7 +212,7 @@ TAMPERED = {  # what an edited or damaged engine directory may hold -> a fragmen
 
 @pytest.mark.parametrize("case", TAMPERED)
 def test_a_tampered_engine_directory_is_one_clear_line(tmp_path, target, case):
-    from dspark_runtime import Engine
+    from dspark_runtime import Engine, OrtBackend
     from dspark_runtime.cli import main as run_main
 
     change, fragment = TAMPERED[case]
@@ -222,6 +222,6 @@ def test_a_tampered_engine_directory_is_one_clear_line(tmp_path, target, case):
     if case == "not UTF-8":
         change(None, tmp_path / "e")
     with pytest.raises(EngineError, match=fragment):
-        Engine.load(tmp_path / "e", threads=1, profile=False)
+        Engine.load(tmp_path / "e", OrtBackend(threads=1), profile=False)
     result = CliRunner().invoke(run_main, [str(tmp_path / "e"), "-p", "hi", "-n", "2"])
     assert result.exit_code == 1 and result.output.count("\n") == 1 and fragment.strip("'") in result.output

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.cli import main
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.presets import resolve_target
 from dspark_runtime.errors import CheckpointError, ConfigError
 from tests.conftest import write_hf_checkpoint
 
 
 def open_checkpoint(folder):
-    return Checkpoint(folder, Qwen3Config.from_dir(folder))
+    return Checkpoint(folder, DecoderConfig.from_dir(folder))
 
 
 def run_cli(*args, env=None):
@@ -106,7 +106,8 @@ def test_unknown_preset_lists_known_ones(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama"}, "unsupported architecture: model_type 'llama'"),
+        ({"model_type": "mistral"}, "unsupported architecture: model_type 'mistral'"),
+        ({"model_type": "llama", "attention_bias": True}, "unsupported Llama variant: attention_bias"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
             "rope scaling 'yarn' is not supported",
@@ -119,7 +120,7 @@ def test_unsupported_architecture(tmp_path, change, message):
     config = json.loads((folder / "config.json").read_text()) | change
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
-        Qwen3Config.from_dir(folder)
+        DecoderConfig.from_dir(folder)
     code, output = run_cli("inspect", "--target-path", str(folder))
     assert_one_line_error(code, output, message.split(":")[0])
 
@@ -131,10 +132,10 @@ def test_inspect_reports_a_real_checkpoint(tmp_path):
     )
     assert code == 0, output
     report = json.loads(output)
-    config = Qwen3Config.from_dir(folder)
-    from dspark_export.model import Qwen3Model
+    config = DecoderConfig.from_dir(folder)
+    from dspark_export.model import DecoderModel
 
-    assert report["parameters"] == sum(p.numel() for p in Qwen3Model(config).parameters())
+    assert report["parameters"] == sum(p.numel() for p in DecoderModel(config).parameters())
     assert report["dtype"] == "float32"
     # 2 (K and V) x 3 layers x 1 KV head x 16 dims x (100 tokens + 1 row for a step) x 2 slots x 4 bytes (float32)
     assert report["memory"]["kv_cache_bytes"] == 2 * 3 * 1 * 16 * 101 * 2 * 4

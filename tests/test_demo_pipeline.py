@@ -14,12 +14,12 @@ from dspark_export.demo.corpus import split_of
 
 torch = pytest.importorskip("torch")
 
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_export.demo.distill import generate_batch  # noqa: E402
 from dspark_export.demo.train import TrainConfig, train  # noqa: E402
-from dspark_export.model import Qwen3Model  # noqa: E402
+from dspark_export.model import DecoderModel  # noqa: E402
 
-TINY = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+TINY = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
 
 
@@ -79,7 +79,7 @@ def test_training_reduces_held_out_loss(tmp_path):
 
 def test_greedy_batch_generation_matches_a_plain_loop():
     torch.manual_seed(0)
-    model = Qwen3Model(TINY).eval()
+    model = DecoderModel(TINY).eval()
     prompts = torch.randint(3, 64, (3, 5))
     continuations = generate_batch(model, prompts, max_new=8, greedy=True, generator=torch.Generator())
     for row, continuation in zip(prompts, continuations):

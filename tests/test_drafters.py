@@ -9,18 +9,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_export.drafters.anchors import block_mask, build_blocks  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, load_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig, default_feature_layers  # noqa: E402
 from dspark_export.drafters.data import Sequences  # noqa: E402
 from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: E402
 from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
-from dspark_export.model import Qwen3Model  # noqa: E402
+from dspark_export.model import DecoderModel  # noqa: E402
 from dspark_runtime.errors import ConfigError  # noqa: E402
 from dspark_export.interop import open_drafter  # noqa: E402
 
-TARGET = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+TARGET = DecoderConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
 
 
@@ -34,9 +34,9 @@ def drafter_config(kind="dspark", head="markov", **overrides) -> DrafterConfig:
 
 
 @pytest.fixture
-def target() -> Qwen3Model:
+def target() -> DecoderModel:
     torch.manual_seed(0)
-    model = Qwen3Model(TARGET).eval()
+    model = DecoderModel(TARGET).eval()
     with torch.no_grad():  # a peaked target, so that there is something to learn
         model.lm_head.weight.mul_(3)
     return model
@@ -116,7 +116,7 @@ def test_loss_terms_by_hand():
     assert float(terms["tau"]) == pytest.approx(1 + (1 - tv[0]) + (1 - tv[0]) * (1 - tv[1]), rel=1e-5)
 
 
-def greedy_sequences(target: Qwen3Model, count: int = 24, prompt: int = 6, new: int = 26) -> Sequences:
+def greedy_sequences(target: DecoderModel, count: int = 24, prompt: int = 6, new: int = 26) -> Sequences:
     """Self-distillation data from the tiny target: random prompts, greedy continuations."""
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(4, TARGET.vocab_size, (count, prompt), generator=generator)
@@ -177,7 +177,7 @@ def test_drafter_for_another_target_is_refused(tmp_path, target, change, message
     drafter = build_drafter(drafter_config())
     save_drafter(drafter, tmp_path / "d")
     with pytest.raises(ConfigError, match=message):
-        open_drafter(tmp_path / "d", Qwen3Config(**(TARGET.architecture_fields() | change)))
+        open_drafter(tmp_path / "d", DecoderConfig(**(TARGET.architecture_fields() | change)))
     with pytest.raises(ConfigError, match="vocabulary does not match"):
         DrafterConfig.from_dir(tmp_path / "d").check_target(TARGET, vocab_hash="another")
 

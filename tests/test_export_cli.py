@@ -102,18 +102,18 @@ def test_a_quantized_torch_target_computes_what_the_int4_engine_does(tmp_path, t
     from dspark_export.graphs.weights import WeightFormat
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
-    from dspark_runtime.backend import open_graphs
+    from dspark_runtime.backend import OrtBackend
     from dspark_runtime.batches import TargetBatch
     from dspark_runtime.engine_dir import read_manifest
 
     spec = resolve_target(None, str(tiny_target))
     engine = build_engine(spec, tmp_path / "engine", weights=WeightFormat("int4", accuracy_level=0), cache_slots=1,
                           show_progress=False)
-    target, _ = open_graphs(engine, read_manifest(engine), "ort", threads=1)
+    target, _ = OrtBackend(threads=1).open(engine, read_manifest(engine))
     ids = np.arange(10, 40)
     batch = TargetBatch(ids, np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
                         np.arange(len(ids)))
-    logits = target.run(batch.feeds(target.io))["logits"]
+    logits = target.run(batch)["logits"]
     for weights, close in (("int4", True), ("fp32", False)):
         model, _ = load_target(spec, weights=weights)
         with torch.no_grad():

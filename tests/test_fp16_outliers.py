@@ -24,12 +24,12 @@ from safetensors.numpy import load_file, save_file
 
 from dspark_export.build import build_engine
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.drafters.bundled import bundled_root
 from dspark_export.graphs.target import build_target_onnx
 from dspark_export.presets import demo_dir, resolve_target
-from dspark_runtime import Engine
-from dspark_runtime.backend import OrtGraph
+from dspark_runtime import Engine, OrtBackend
+from dspark_runtime.backend import OrtRunner
 from dspark_runtime.batches import TargetBatch
 from dspark_runtime.graph_io import target_io
 from dspark_runtime.prompts import demo_prompts_path, read_prompts
@@ -73,14 +73,14 @@ def outlier_models(tmp_path_factory) -> tuple[Path, Path]:
 
 def prefill(folder: Path, dtype: str, graph_file: Path, tokens: np.ndarray) -> dict[str, np.ndarray]:
     """Logits and features of one request's prompt through a target graph of `dtype`."""
-    config = Qwen3Config.from_dir(folder)
+    config = DecoderConfig.from_dir(folder)
     layers = (1, 2, 3)  # the bundled drafter's
     build_target_onnx(Checkpoint(folder, config), graph_file, dtype, layers)
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
                    len(layers) * config.hidden_size, dtype, slots=1, cache_rows=len(tokens))
     batch = TargetBatch(tokens, np.arange(len(tokens)), np.zeros(len(tokens), np.int64), np.zeros(1, np.int64),
                         np.arange(len(tokens)))
-    return OrtGraph(graph_file, io, threads=1).run(batch.feeds(io))
+    return OrtRunner(graph_file, io, threads=1).run(batch)
 
 
 def test_fp16_features_stay_finite_and_close_with_activations_in_the_thousands(outlier_models, tmp_path):
@@ -97,7 +97,7 @@ def test_fp16_features_stay_finite_and_close_with_activations_in_the_thousands(o
 
 def test_an_fp16_target_graph_squares_in_fp32_and_hands_over_fp32_features(outlier_models, tmp_path):
     target, _ = outlier_models
-    checkpoint = Checkpoint(target, Qwen3Config.from_dir(target))
+    checkpoint = Checkpoint(target, DecoderConfig.from_dir(target))
     graph_file = build_target_onnx(checkpoint, tmp_path / "target.onnx", "float16", (1, 2, 3))
     graph = onnx.load(str(graph_file), load_external_data=False)
     made_by = {out: node for node in graph.graph.node for out in node.output}
@@ -117,8 +117,8 @@ def test_an_fp16_engine_accepts_within_2_percent_of_the_fp32_engine(outlier_mode
     for dtype in ("float32", "float16"):
         folder = build_engine(resolve_target(None, target), tmp_path / dtype, drafter, "demo-dspark", dtype=dtype,
                               cache_slots=1, max_batch_tokens=16, show_progress=False)
-        with Engine.load(folder, threads=1, profile=False) as engine:
+        with Engine.load(folder, OrtBackend(threads=1), profile=False) as engine:
             runs = [engine.generate(p, SamplingParams(max_tokens=48, temperature=0), spec="fixed:7") for p in prompts]
-        tau[dtype] = sum(len(r.token_ids) for r in runs) / sum(r.stats["steps"] for r in runs)
+        tau[dtype] = sum(len(r.token_ids) for r in runs) / sum(r.stats.steps for r in runs)
     assert tau["float32"] > 2.5  # the scaled pair still drafts as well as the demo does
     assert tau["float16"] >= 0.98 * tau["float32"]

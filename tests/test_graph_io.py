@@ -14,14 +14,14 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.build import build_engine  # noqa: E402
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.graphs.drafter import BODIES, build_drafter_onnx  # noqa: E402
 from dspark_export.interop import open_drafter  # noqa: E402
 from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from dspark_export.graphs.weights import ONNX_DTYPES  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
-from dspark_runtime import DSparkError, Engine, SamplingParams  # noqa: E402
+from dspark_runtime import DSparkError, Engine, OrtBackend, SamplingParams  # noqa: E402
 from dspark_runtime.engine_dir import EngineError, read_manifest  # noqa: E402
 from dspark_runtime.graph_io import DRAFTER_TYPES, GraphIO, drafter_io, target_io  # noqa: E402
 from tests.conftest import TEXT, write_drafter, write_hf_checkpoint  # noqa: E402
@@ -56,7 +56,7 @@ def expected(io: GraphIO) -> tuple[list, list]:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_target_graph_declares_the_contract(tmp_path, target, dtype):
-    config = Qwen3Config.from_dir(target)
+    config = DecoderConfig.from_dir(target)
     graph = build_target_onnx(Checkpoint(target, config), tmp_path / "target.onnx", dtype, feature_layers=(0, 1))
     onnx.checker.check_model(str(graph), full_check=True)
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
@@ -66,7 +66,7 @@ def test_target_graph_declares_the_contract(tmp_path, target, dtype):
 
 @pytest.mark.parametrize("kind", DRAFTER_TYPES)
 def test_drafter_graph_declares_the_contract(tmp_path, target, kind):
-    config = Qwen3Config.from_dir(target)
+    config = DecoderConfig.from_dir(target)
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type=kind, **DRAFTER_FIELDS[kind])
     graph = build_drafter_onnx(open_drafter(drafter, config), Checkpoint(target, config), tmp_path / "drafter.onnx")
     onnx.checker.check_model(str(graph), full_check=True)
@@ -83,7 +83,7 @@ def test_every_drafter_kind_profiles_and_runs_the_scheduled_modes(tmp_path, targ
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type=kind, **DRAFTER_FIELDS[kind])
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, kind, cache_slots=2,
                           max_batch_tokens=16, show_progress=False)
-    with Engine.load(folder, threads=1, profile=False) as engine:
+    with Engine.load(folder, OrtBackend(threads=1), profile=False) as engine:
         curve = engine.profile(context=8, rounds=1)
         assert len(curve["target_seconds"]) == 2 * (engine.gamma + 1) and len(curve["draft_seconds"]) == 2
         plain = engine.generate("def add(", GREEDY, spec="off").token_ids
@@ -104,7 +104,7 @@ def test_a_float16_engine_generates_and_speculation_keeps_its_output(tmp_path, t
         max_batch_tokens=16,
         show_progress=False,
     )
-    with Engine.load(folder, threads=1, profile=False) as engine:
+    with Engine.load(folder, OrtBackend(threads=1), profile=False) as engine:
         plain = engine.generate("def add(", GREEDY, spec="off")
         assert len(plain.token_ids) == 16
         assert engine.generate("def add(", GREEDY, spec="fixed:3").token_ids == plain.token_ids
@@ -125,20 +125,18 @@ def test_a_block_drafter_keeps_its_trained_gamma(tmp_path, target):
 
 def test_the_runner_takes_exactly_the_graphs_inputs(tmp_path, target):
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", cache_slots=2, show_progress=False)
-    from dspark_runtime.backend import open_graphs
-
-    graph, _ = open_graphs(folder, read_manifest(folder), "ort", threads=1)
+    graph, _ = OrtBackend(threads=1).open(folder, read_manifest(folder))
     from dspark_runtime.batches import TargetBatch
 
     one = np.zeros(1, np.int64)
     feeds = TargetBatch(one, one, one, np.zeros(2, np.int64), one).feeds(graph.io)  # the caches are bound to the graph
     assert set(graph.inputs) == {"input_ids", "logit_index", "slot_rows", "token_rows", "seqlens_k", "query_seqlens",
                                  "total_length"}
-    assert set(graph.run(feeds)) == {"logits"}  # the in-place ONNX Runtime graph appends to its caches itself
+    assert set(graph.run_feeds(feeds)) == {"logits"}  # the in-place ONNX Runtime graph appends to its caches itself
     with pytest.raises(DSparkError, match=r"missing \['token_rows'\]"):
-        graph.run({k: v for k, v in feeds.items() if k != "token_rows"})
+        graph.run_feeds({k: v for k, v in feeds.items() if k != "token_rows"})
     with pytest.raises(DSparkError, match=r"unknown \['noise'\]"):
-        graph.run(feeds | {"noise": np.zeros(1, np.float32)})
+        graph.run_feeds(feeds | {"noise": np.zeros(1, np.float32)})
 
 
 def test_an_engine_whose_graph_drifted_from_the_contract_is_refused(tmp_path, target):
@@ -150,4 +148,4 @@ def test_an_engine_whose_graph_drifted_from_the_contract_is_refused(tmp_path, ta
     manifest["feature_layers"] = [0, 1]  # the contract now expects twice the feature width the graphs have
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="target.onnx has 'features' of shape .* rebuild the engine"):
-        Engine.load(folder, threads=1, profile=False)
+        Engine.load(folder, OrtBackend(threads=1), profile=False)

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.interop import open_drafter
 from tests.conftest import drafter_feeds
@@ -83,13 +83,13 @@ CASES = {  # case -> (layout, our view of its layout)
 
 
 def checkpoint() -> Checkpoint:
-    return Checkpoint(TARGET, Qwen3Config.from_dir(TARGET))
+    return Checkpoint(TARGET, DecoderConfig.from_dir(TARGET))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_is_read_as_published(case):
     layout, expected = CASES[case]
-    source = open_drafter(FIXTURES / case, Qwen3Config.from_dir(TARGET), checkpoint())
+    source = open_drafter(FIXTURES / case, DecoderConfig.from_dir(TARGET), checkpoint())
     assert source.layout == layout
     assert {key: getattr(source.config, key) for key in expected} == expected
 
@@ -98,7 +98,7 @@ def test_layout_is_read_as_published(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_onnx_drafter_matches_the_reference(tmp_path, case, greedy_shortcut):
     reference = np.load(FIXTURES / case / "reference.npz")
-    source = open_drafter(FIXTURES / case, Qwen3Config.from_dir(TARGET), checkpoint())
+    source = open_drafter(FIXTURES / case, DecoderConfig.from_dir(TARGET), checkpoint())
     graph = build_drafter_onnx(source, checkpoint(), tmp_path / "drafter.onnx", greedy_shortcut=greedy_shortcut)
     onnx.checker.check_model(str(graph), full_check=True)
     session = ort.InferenceSession(str(graph))
@@ -121,10 +121,10 @@ def test_torch_drafter_matches_the_reference(case):
     from dspark_export.drafters.block_drafter import block_draft
     from dspark_export.drafters.checkpoint import load_drafter
     from dspark_export.drafters.eagle3 import eagle3_draft
-    from dspark_export.model import Qwen3Model
+    from dspark_export.model import DecoderModel
 
     reference = np.load(FIXTURES / case / "reference.npz")
-    target = Qwen3Model.from_checkpoint(checkpoint(), "float32")
+    target = DecoderModel.from_checkpoint(checkpoint(), "float32")
     drafter = load_drafter(open_drafter(FIXTURES / case, target.config, checkpoint()), target)
     gamma = drafter.config.gamma
     for tag, temperature in (("greedy", 0.0), ("sampled", float(reference["temperature"]))):

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from dspark_export.build import build_engine
 from dspark_export.checkpoint import Checkpoint, read_header, tensor_view, write_safetensors
 from dspark_export.cli import main
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.drafters.bundled import resolve_drafter
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.presets import resolve_target
-from dspark_runtime import Engine, SamplingParams
+from dspark_runtime import Engine, OrtBackend, SamplingParams
 from tests.conftest import SAMPLES, TEXT, drafter_feeds, exact_joint, p_value, sample_pairs, write_curve
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
@@ -46,9 +46,9 @@ def convert(drafter: str, layout: str, out: Path, *target: str) -> Path:
 def generate(engine_dir: Path, params: SamplingParams, spec: str) -> list[tuple[list[int], int, int]]:
     """(tokens, rounds, accepted drafts) of each prompt; fixed modes need no hardware curve, so none is measured."""
     write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
-    with Engine.load(engine_dir, threads=1) as engine:
+    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
         results = [engine.submit(engine.tokenizer.encode(p), params, spec=spec).result() for p in PROMPTS]
-    return [(r.token_ids, r.stats["rounds"], round(r.stats["accepted_per_step"] * r.stats["rounds"])) for r in results]
+    return [(r.token_ids, r.stats.rounds, round(r.stats.accepted_per_step * r.stats.rounds)) for r in results]
 
 
 def test_convert_round_trips_and_an_off_by_one_layer_changes_the_drafts(tmp_path):
@@ -95,18 +95,18 @@ def test_layer_convention_is_hugging_faces_hidden_states():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from dspark_export.graphs.target import build_target_onnx
-    from dspark_export.model import Qwen3Model
+    from dspark_export.model import DecoderModel
     import onnxruntime as ort
 
     folder = FIXTURES / "target"
-    config = Qwen3Config.from_dir(folder)
+    config = DecoderConfig.from_dir(folder)
     ids = np.array([5, 9, 17, 33, 60, 7])
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         states = hf(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
     layers = (-1, 0, 2, config.num_hidden_layers - 1)
     expected = torch.cat([states[i + 1] for i in layers], -1)[0].numpy()
-    ours = Qwen3Model.from_checkpoint(Checkpoint(folder, config), "float32")
+    ours = DecoderModel.from_checkpoint(Checkpoint(folder, config), "float32")
     with torch.no_grad():
         out = ours(torch.from_numpy(ids)[None], feature_layers=layers)
     np.testing.assert_allclose(torch.cat([out.features[i] for i in layers], -1)[0].numpy(), expected, atol=1e-4)
@@ -136,7 +136,7 @@ def test_engine_with_an_imported_drafter_is_lossless(target, tmp_path, drafter):
         r[0] for r in generate(engine_dir, greedy, "off")
     ]
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    with Engine.load(engine_dir, threads=1) as engine:
+    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
         prompt = engine.tokenizer.encode("Hello there")
         rounds: list[int] = []
         counts = sample_pairs(engine, prompt, params, "fixed:3", rounds)
@@ -231,7 +231,7 @@ def test_a_vocabulary_padded_past_the_target_is_accepted(target, tmp_path):
 
     wide = rewrite(shutil.copytree(FIXTURES / "deepspec-gated", tmp_path / "wide"), {"vocab_size": 320},
                    lambda arrays: padded(arrays, 320))
-    config, checkpoint = Qwen3Config.from_dir(target), Checkpoint(target, Qwen3Config.from_dir(target))
+    config, checkpoint = DecoderConfig.from_dir(target), Checkpoint(target, DecoderConfig.from_dir(target))
     tokenizer = ChatTokenizer.from_dir(target)
     import onnxruntime as ort
 

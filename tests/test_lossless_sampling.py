@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from dspark_runtime import Engine, SamplingParams
+from dspark_runtime import Engine, OrtBackend, SamplingParams
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("scipy.stats")
@@ -35,7 +35,7 @@ def skewed_engine_dir(tmp_path_factory, request):
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engine_dir, monkeypatch, setting):
     params = SETTINGS[setting]
-    with Engine.load(skewed_engine_dir, threads=1) as engine:
+    with Engine.load(skewed_engine_dir, OrtBackend(threads=1)) as engine:
         prompt = engine.tokenizer.encode("Hello there")
         joint = exact_joint(skewed_engine_dir, prompt, params)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) > 1e-3
@@ -61,7 +61,7 @@ def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec
     shutil.copytree(skewed_engine_dir, folder)
     write_curve(folder, [0.001] * 12 + [0.001 * (1.5 + 0.5 * b) for b in range(244)], [0.0001] * 8)
     params = SETTINGS["T1"]
-    with Engine.load(folder, threads=1) as engine:
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
         prompt = engine.tokenizer.encode("Hello there")
         rounds: list[int] = []
         assert (

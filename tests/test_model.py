@@ -1,4 +1,4 @@
-"""The torch Qwen3 target against `transformers.Qwen3ForCausalLM`, the cached decode, sharded loading."""
+"""The torch target against transformers' own Qwen3, Qwen2 and Llama classes, the cached decode, sharded loading."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
-from dspark_export.model import Qwen3Model, save_checkpoint  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
+from dspark_export.model import DecoderModel, save_checkpoint  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 
-def load(folder, dtype="float32") -> Qwen3Model:
-    return Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), dtype)
+def load(folder, dtype="float32") -> DecoderModel:
+    return DecoderModel.from_checkpoint(Checkpoint(folder, DecoderConfig.from_dir(folder)), dtype)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 5e5}
 CASES = {
     "untied-gqa4-theta1e6": dict(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=1e6),
     "tied-gqa1-theta1e4": dict(tie_word_embeddings=True, num_key_value_heads=4, rope_theta=1e4),
@@ -25,13 +27,17 @@ CASES = {
         num_key_value_heads=2,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
     ),
+    "qwen2.5-biases": dict(architecture="qwen2", tie_word_embeddings=True, num_key_value_heads=2, rope_theta=1e6),
+    # with these numbers each rotary frequency of a 16-wide head is kept, blended or scaled (wavelengths 6 to 1e5)
+    "llama3-rope": dict(architecture="llama", tie_word_embeddings=False, num_key_value_heads=2, rms_norm_eps=1e-5,
+                        rope_parameters=LLAMA3_ROPE),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_hidden_states_match_transformers(tmp_path, case):
     folder = write_hf_checkpoint(tmp_path / case, seed=len(case), **CASES[case])
-    reference = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = load(folder)
     ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -11,12 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_export.drafters.block_drafter import block_draft  # noqa: E402
 from dspark_export.drafters.eagle3 import eagle3_draft  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
-from dspark_export.model import Qwen3Model  # noqa: E402
+from dspark_export.model import DecoderModel  # noqa: E402
 from dspark_export.graphs.drafter import build_drafter_onnx  # noqa: E402
 from dspark_export.graphs.weights import WeightFormat  # noqa: E402
 from dspark_export.interop import open_drafter  # noqa: E402
@@ -27,9 +27,9 @@ SLOTS, LMAX, GAMMA = 3, 40, 4
 
 def make_drafter(tmp_path, kind, head):
     folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, num_hidden_layers=4)
-    config = Qwen3Config.from_dir(folder)
+    config = DecoderConfig.from_dir(folder)
     checkpoint = Checkpoint(folder, config)
-    target = Qwen3Model.from_checkpoint(checkpoint, "float32")
+    target = DecoderModel.from_checkpoint(checkpoint, "float32")
     drafter_config = DrafterConfig(
         drafter_type=kind, target=config.architecture_fields() | {"dtype": "float32"}, vocab_hash="x", mask_token_id=3,
         num_layers=1 if kind == "eagle3" else 2, gamma=GAMMA, feature_layers=(1, 2), head=head, markov_rank=16,
@@ -117,7 +117,7 @@ def test_cpu_graph_int8_projections_stay_close_and_greedy_calls_skip_distributio
     monkeypatch.setattr(block_body, "CANDIDATE_ROUTE_MIN", 0)
     make_drafter(tmp_path, "dspark", "markov")
     folder = tmp_path / "target"
-    checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
+    checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
     formats = {False: WeightFormat("fp32"), True: WeightFormat("int8", block_size=16)}
     source = open_drafter(tmp_path / "drafter", checkpoint.config)
     graphs = {int8: build_drafter_onnx(source, checkpoint, tmp_path / f"int8-{int8}" / "drafter.onnx", formats[int8],
@@ -157,7 +157,7 @@ def test_cpu_graph_greedy_drafts_from_candidates_follow_the_full_vocabulary(tmp_
 
     make_drafter(tmp_path, "dspark", head)
     folder = tmp_path / "target"
-    checkpoint = Checkpoint(folder, Qwen3Config.from_dir(folder))
+    checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
     config = checkpoint.config
     monkeypatch.setattr(block_body, "GREEDY_CANDIDATES", config.vocab_size)
     monkeypatch.setattr(block_body, "CANDIDATE_ROUTE_MIN", 0 if route == "candidates" else 1 << 62)

@@ -12,11 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dspark_export.checkpoint import Checkpoint  # noqa: E402
-from dspark_export.config import Qwen3Config  # noqa: E402
+from dspark_export.config import DecoderConfig  # noqa: E402
 from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from dspark_export.graphs.weights import WeightFormat, quantize_rows  # noqa: E402
-from dspark_export.model import Qwen3Model  # noqa: E402
-from dspark_runtime.backend import OrtGraph  # noqa: E402
+from dspark_export.model import DecoderModel  # noqa: E402
+from dspark_runtime.backend import OrtRunner  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
 from dspark_runtime.graph_io import target_io  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
@@ -24,7 +24,7 @@ from tests.conftest import write_hf_checkpoint  # noqa: E402
 SLOTS, ROWS = 3, 32
 
 
-def run_step(graph: OrtGraph, requests):
+def run_step(graph: OrtRunner, requests):
     """requests: [(slot, token ids, first position)] -> logits of every token, features; commits K/V."""
     ids = np.concatenate([np.asarray(tokens) for _, tokens, _ in requests])
     slot = np.concatenate([[s] * len(tokens) for s, tokens, _ in requests])
@@ -33,22 +33,19 @@ def run_step(graph: OrtGraph, requests):
     for s, _, start in requests:
         cache_len[s] = start
     batch = TargetBatch(ids, pos, slot, cache_len, np.arange(len(ids)))
-    result = graph.run(batch.feeds(graph.io))
-    if not graph.io.in_place:  # commit the new K/V at (slot, pos), as the runtime does
-        graph.cache.write(slot, pos, result)
-    return result
+    return graph.run(batch)  # commits the new K/V at (slot, pos)
 
 
 def two_requests(folder, graph_file, lowering="portable", weights=WeightFormat(), feature_layers=(0, 1)):
     """Two requests prefilled in interleaved chunks over two calls; returns (graph, logits a, logits b, features a)."""
-    config = Qwen3Config.from_dir(folder)
+    config = DecoderConfig.from_dir(folder)
     graph_file = build_target_onnx(
         Checkpoint(folder, config), graph_file, "float32", feature_layers, weights, lowering, ROWS
     )
     onnx.checker.check_model(str(graph_file), full_check=True)
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
                    2 * config.hidden_size, "float32", lowering == "ort", SLOTS, ROWS)
-    graph = OrtGraph(graph_file, io, threads=1)
+    graph = OrtRunner(graph_file, io, threads=1)
     rng = np.random.default_rng(0)
     seq_a, seq_b = rng.integers(0, config.vocab_size, 9), rng.integers(0, config.vocab_size, 6)
     first = run_step(graph, [(2, seq_b[:4], 0), (0, seq_a[:5], 0)])  # two prefill chunks
@@ -59,12 +56,19 @@ def two_requests(folder, graph_file, lowering="portable", weights=WeightFormat()
     return (seq_a, seq_b), logits_a, logits_b, features_a
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 5e5}
+ARCHITECTURES = {"qwen3-tied": dict(tie_word_embeddings=True), "qwen3-untied": dict(tie_word_embeddings=False),
+                 "qwen2.5": dict(architecture="qwen2", tie_word_embeddings=True),
+                 "llama3": dict(architecture="llama", tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)}
+
+
 @pytest.mark.parametrize("lowering", ["portable", "ort"])
-@pytest.mark.parametrize("tied", [True, False])
-def test_target_graph_matches_torch(tmp_path, tied, lowering):
-    folder = write_hf_checkpoint(tmp_path / "ckpt", seed=int(tied), tie_word_embeddings=tied)
+@pytest.mark.parametrize("case", ARCHITECTURES)
+def test_target_graph_matches_torch(tmp_path, case, lowering):
+    folder = write_hf_checkpoint(tmp_path / "ckpt", seed=len(case), **ARCHITECTURES[case])
     (seq_a, seq_b), logits_a, logits_b, features_a = two_requests(folder, tmp_path / "target.onnx", lowering)
-    model = Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), "float32")
+    model = DecoderModel.from_checkpoint(Checkpoint(folder, DecoderConfig.from_dir(folder)), "float32")
     with torch.no_grad():
         ref_a = model(torch.from_numpy(seq_a[None]), feature_layers=(0, 1))
         ref_b = model(torch.from_numpy(seq_b[None]), feature_layers=(0, 1))
@@ -82,13 +86,14 @@ def dequantized(weight: torch.Tensor, bits: int, block_size: int) -> torch.Tenso
     return torch.from_numpy(values.reshape(weight.shape))
 
 
-@pytest.mark.parametrize("name, bits", [("int8", 8), ("int4", 4)])
-def test_quantized_target_computes_with_its_dequantized_weights(tmp_path, name, bits):
-    """accuracy_level 0 (float compute): the quantized graph is the torch model with dequantized projections."""
-    folder = write_hf_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True)
+@pytest.mark.parametrize("name, bits, architecture", [("int8", 8, "qwen3"), ("int4", 4, "qwen3"), ("int4", 4, "qwen2")])
+def test_quantized_target_computes_with_its_dequantized_weights(tmp_path, name, bits, architecture):
+    """accuracy_level 0 (float compute): the quantized graph is the torch model with dequantized projections (and
+    Qwen2.5's q/k/v biases added by the quantized matmul)."""
+    folder = write_hf_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True, architecture=architecture)
     weights = WeightFormat(name, block_size=16, accuracy_level=0)
     (seq_a, _), logits_a, _, features_a = two_requests(folder, tmp_path / "target.onnx", "ort", weights)
-    model = Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), "float32")
+    model = DecoderModel.from_checkpoint(Checkpoint(folder, DecoderConfig.from_dir(folder)), "float32")
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) or isinstance(module, torch.nn.Embedding):
@@ -97,7 +102,7 @@ def test_quantized_target_computes_with_its_dequantized_weights(tmp_path, name, 
     assert np.abs(logits_a - reference.logits[0].numpy()).max() <= 1e-3
     expected = torch.cat([reference.features[0], reference.features[1]], -1)[0].numpy()
     assert np.abs(features_a - expected).max() <= 1e-3
-    plain = Qwen3Model.from_checkpoint(Checkpoint(folder, Qwen3Config.from_dir(folder)), "float32")
+    plain = DecoderModel.from_checkpoint(Checkpoint(folder, DecoderConfig.from_dir(folder)), "float32")
     with torch.no_grad():
         error = np.abs(logits_a - plain(torch.from_numpy(seq_a[None])).logits[0].numpy()).max()
     assert error > 1e-3  # the weights really were quantized

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from dspark_runtime import Engine, SamplingParams
+from dspark_runtime import Engine, OrtBackend, SamplingParams
 from dspark_runtime.errors import InvalidRequestError
 
 torch = pytest.importorskip("torch")
@@ -21,6 +21,7 @@ from dspark_export.build import build_engine  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
 from tests.conftest import TEXT, build_echo_engine, write_curve, write_drafter, write_hf_checkpoint  # noqa: E402
+from tests.fakes import FakeBackend  # noqa: E402
 
 PROMPTS = ["def add(", "The answer", "Hello", "def f(x):\n    return", "Hello there, friend! The"]
 
@@ -37,7 +38,7 @@ def engine_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_dir):
-    with Engine.load(engine_dir, threads=1, profile=False) as engine:
+    with Engine.load(engine_dir, OrtBackend(threads=1), profile=False) as engine:
         yield engine
 
 
@@ -51,7 +52,7 @@ def test_greedy_speculation_equals_target_only(engine, spec):
         fast = engine.generate(prompt, GREEDY, spec=spec)
         assert fast.token_ids == plain.token_ids and fast.text == plain.text
         assert len(plain.token_ids) == 24 and plain.finish_reason == "length"
-        assert plain.stats["tau"] == pytest.approx(1.0) and fast.stats["tau"] >= 1.0
+        assert plain.stats.tau == pytest.approx(1.0) and fast.stats.tau >= 1.0
 
 
 def test_batched_requests_with_mixed_params_equal_their_solo_runs(engine):
@@ -160,7 +161,7 @@ def test_bad_requests_fail_alone(engine):
 
 
 def test_request_after_shutdown(engine_dir):
-    engine = Engine.load(engine_dir, threads=1, profile=False)
+    engine = Engine.load(engine_dir, OrtBackend(threads=1), profile=False)
     engine.shutdown()
     with pytest.raises(Exception, match="shut down"):
         engine.submit("Hello", GREEDY)
@@ -187,13 +188,13 @@ def echo_engine_dir(tmp_path_factory):
 
 
 def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
-    with Engine.load(echo_engine_dir, threads=1) as engine:
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
         for prompt in PROMPTS:
             plain = engine.generate(prompt, GREEDY, spec="off")
             fast = engine.generate(prompt, GREEDY, spec="fixed:3")
             assert fast.token_ids == plain.token_ids
-            assert fast.stats["accepted_per_step"] >= 1.0  # the first draft always passes
-            assert fast.stats["tau"] > 1.8
+            assert fast.stats.accepted_per_step >= 1.0  # the first draft always passes
+            assert fast.stats.tau > 1.8
 
 
 def test_bench_command(engine_dir, tmp_path):
@@ -282,7 +283,7 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
     assert len(curve["target_seconds"]) == 8 * (3 + 1) and np.all(np.diff(curve["target_seconds"]) >= 0)
     assert curve["machine"]["threads"] == 1 and "spread between rounds" in result.output
     assert len(curve["draft_seconds"]) == 8 and curve["draft_seconds_per_context_row"] >= 0
-    with Engine.load(engine_dir, threads=1) as engine:
+    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
         for prompt in PROMPTS[:3]:
             plain = engine.generate(prompt, GREEDY, spec="off").token_ids
             for spec in ("sync", "async"):
@@ -297,27 +298,27 @@ def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for draft_seconds, most_steps_draft in ((0.01, False), (0.0, True)):
         write_curve(folder, [0.001] * 256, [draft_seconds] * 8)
-        with Engine.load(folder, threads=1) as engine:
+        with Engine.load(folder, OrtBackend(threads=1)) as engine:
             plain = engine.generate(PROMPTS[0], params, spec="off").token_ids
             for spec in ("sync", "async"):
                 out = engine.generate(PROMPTS[0], params, spec=spec)
                 assert out.token_ids == plain
-                assert (out.stats["rounds"] > out.stats["steps"] // 2) == most_steps_draft, (spec, out.stats)
+                assert (out.stats.rounds > out.stats.steps // 2) == most_steps_draft, (spec, out.stats)
 
 
 def test_a_curve_from_another_machine_or_thread_count_is_measured_again(echo_engine_dir, tmp_path, capsys):
     folder = tmp_path / "engine"
     shutil.copytree(echo_engine_dir, folder)
     write_curve(folder, [0.001] * 32, [0.001] * 8, threads=2)  # this machine, but two threads
-    with Engine.load(folder, threads=1, profile=False):
+    with Engine.load(folder, OrtBackend(threads=1), profile=False):
         pass
     assert "was measured on" in capsys.readouterr().err  # kept, with a warning
-    with Engine.load(folder, threads=1) as engine:
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
         assert engine.machine["threads"] == 1
     assert "profiling engine again" in capsys.readouterr().err
     remeasured = json.loads((folder / "hardware_curve.json").read_text())
     assert remeasured["machine"] == engine.machine and remeasured["rounds"] == 3  # the quick profile of a load
-    with Engine.load(folder, threads=1):  # measured here now: used as it is
+    with Engine.load(folder, OrtBackend(threads=1)):  # measured here now: used as it is
         pass
     assert "profiling" not in capsys.readouterr().err
 
@@ -340,7 +341,7 @@ def test_calibrate_command(tmp_path_factory):
     greedy = CliRunner().invoke(main, ["calibrate", str(engine_dir), "--prompts", str(prompts), "--max-tokens", "24",
                                        "--threads", "1", "--temperature", "0", "--bias", "--json"])
     assert greedy.exit_code == 0, greedy.output
-    with Engine.load(engine_dir, threads=1, profile=False) as engine:  # one fit per sampling temperature
+    with Engine.load(engine_dir, OrtBackend(threads=1), profile=False) as engine:  # one fit per sampling temperature
         fits = engine.calibration
         assert sorted(fits) == [0.0, 1.0] and fits[1.0][0].tolist() == report["temperatures"]
         assert not fits[1.0][1].any() and fits[0.0][1].tolist() == json.loads(
@@ -365,7 +366,7 @@ def test_eagle3_engine_is_lossless_batched(tmp_path, gamma):
     drafter = write_drafter(target, tmp_path / "drafter", drafter_type="eagle3", head="none", confidence=False, gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "eagle3", cache_slots=4,
                           max_batch_tokens=32, show_progress=False, gamma=gamma)
-    with Engine.load(folder, threads=1) as engine:  # profiled on load, like every drafter kind
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:  # profiled on load, like every drafter kind
         assert engine.has_speed_curve and engine.gamma == (gamma or 3)
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS[:3]]
         for spec in (f"fixed:{engine.gamma}", "async"):
@@ -400,7 +401,7 @@ def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engi
         env=env,
     )
     assert run.returncode == 0, run.stderr
-    with Engine.load(echo_engine_dir, threads=1) as engine:
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
         expected = engine.generate("Hello there", SamplingParams(max_tokens=12, temperature=0.0), spec="fixed:3").text
     assert json.loads(run.stdout.strip().splitlines()[-1])["text"] == expected
 
@@ -415,33 +416,28 @@ def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
     drafter = write_drafter(target, tmp_path / "drafter", gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "drafter", cache_slots=4,
                           max_batch_tokens=32, show_progress=False, weights=WeightFormat(weights, 16, accuracy_level))
-    with Engine.load(folder, threads=1) as engine:
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
         for spec in ("fixed:1", "fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]
             assert [h.result().token_ids for h in handles] == plain, spec
 
 
-def test_a_request_that_fails_in_the_step_loop_fails_alone(engine, monkeypatch):
-    """One request's fault (here: its target rows raise) ends that request with an error; the others in the
-    same batch finish token for token as they would alone."""
-    import dspark_runtime.core as core
-
-    alone = {p: engine.generate(p, GREEDY, spec="fixed:3").token_ids for p in PROMPTS[:3]}
-    original = core.target_rows
-
-    def faulty(logits, history, drafts, params):
-        if params.seed == 666:
-            raise ValueError("boom")
-        return original(logits, history, drafts, params)
-
-    monkeypatch.setattr(core, "target_rows", faulty)
-    handles = {p: engine.submit(p, GREEDY, spec="fixed:3") for p in PROMPTS[:3]}
-    bad = engine.submit("Hello", SamplingParams(max_tokens=24, temperature=0.0, seed=666), spec="fixed:3")
-    assert {p: h.result().token_ids for p, h in handles.items()} == alone
-    with pytest.raises(Exception, match="request failed: ValueError: boom"):
-        bad.result()
-    assert bad.sequence.finish_reason == "error" and engine.status()["free_slots"] == 4
+def test_a_request_that_fails_in_the_step_loop_fails_alone(engine_dir):
+    """One request's fault (here: the model's logits after its prompt are NaN, on a pure-numpy target) ends that
+    request with an error; the others in the same steps finish token for token as they would alone."""
+    poison = 7
+    with Engine.load(engine_dir, FakeBackend(poison=poison)) as engine:
+        prompts = [[10, 11, 12], [20, 21], [30, 31, 32, 33]]
+        alone = [engine.generate(p, GREEDY).token_ids for p in prompts]
+        handles = [engine.submit(p, GREEDY) for p in prompts]
+        bad = engine.submit([40, poison], GREEDY)
+        assert [h.result().token_ids for h in handles] == alone
+        with pytest.raises(Exception, match="request failed: DSparkError: the target's logits for this request are "
+                                            "not finite"):
+            bad.result()
+        assert bad.finish_reason == "error" and engine.finish_reasons()["error"] == 1
+        assert engine.status()["free_slots"] == engine.status()["slots"]
 
 
 @pytest.mark.parametrize("spec", ["off", "fixed:3"])

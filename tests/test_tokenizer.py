@@ -79,3 +79,23 @@ def test_bad_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(TokenizerError, match="not a valid tokenizer file"):
         ChatTokenizer.from_dir(tmp_path)
+
+
+# Meta-Llama-3-Instruct's template: the conversation opens with {{ bos_token }}, which transformers hands templates
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def test_a_template_gets_the_special_tokens_as_transformers_gives_them(qwen3_style_dir):
+    transformers = pytest.importorskip("transformers")
+    config = json.loads((qwen3_style_dir / "tokenizer_config.json").read_text())
+    config |= {"chat_template": LLAMA3_TEMPLATE, "bos_token": "<|endoftext|>"}
+    (qwen3_style_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = ChatTokenizer.from_dir(qwen3_style_dir).apply_chat_template(CONVERSATION[:2])
+    reference = transformers.AutoTokenizer.from_pretrained(qwen3_style_dir).apply_chat_template(
+        CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
+    assert ours == reference and ours.startswith("<|endoftext|><|start_header_id|>system")

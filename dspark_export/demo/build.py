@@ -13,14 +13,14 @@ from pathlib import Path
 
 import click
 
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.demo.corpus import build_corpus, read_jsonl, DOMAINS
 from dspark_export.presets import demo_dir
 from dspark_runtime.prompts import demo_prompts_path
 
 # Sized by measurement on the 2-core dev box (see README, "The demo target"): fp32 training there runs
 # S 5.3M params at 1.8k tok/s, M 13.5M at 0.87k, L 29M at 0.48k; M verifies 8 tokens for 1.42x one token.
-DEMO_CONFIG = Qwen3Config(
+DEMO_CONFIG = DecoderConfig(
     vocab_size=8192,
     hidden_size=384,
     intermediate_size=1152,
@@ -67,9 +67,9 @@ def main(work: Path, steps: int, threads: int | None, export_only: bool) -> None
     if export_only:
         import torch
 
-        from dspark_export.model import Qwen3Model
+        from dspark_export.model import DecoderModel
 
-        model = Qwen3Model(DEMO_CONFIG)
+        model = DecoderModel(DEMO_CONFIG)
         model.load_state_dict(torch.load(run / "state.pt", weights_only=False)["model"])
     else:
         model = train(DEMO_CONFIG, tokens, run, cfg, threads)

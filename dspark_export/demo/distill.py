@@ -19,7 +19,7 @@ import torch
 
 from dspark_export.demo.corpus import CHAT_PROMPT_END, DOMAINS, read_jsonl
 from dspark_export.drafters.data import token_dtype
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|>
 BUCKET = 32  # chat prompts are trimmed from the left to a multiple of this (shorter ones skipped), so they batch
@@ -50,7 +50,7 @@ def training_prompts(
 
 @torch.no_grad()
 def generate_batch(
-    model: Qwen3Model, prompts: torch.Tensor, max_new: int, greedy: bool, generator: torch.Generator
+    model: DecoderModel, prompts: torch.Tensor, max_new: int, greedy: bool, generator: torch.Generator
 ) -> list[list[int]]:
     """Continue equal-length prompts [B, P]; each continuation ends at its first stop token (kept)."""
     batch, length = prompts.shape
@@ -77,7 +77,7 @@ def generate_batch(
 
 
 def distill(
-    model: Qwen3Model, prompts: list[tuple[str, list[int]]], max_new: int, batch: int, seed: int
+    model: DecoderModel, prompts: list[tuple[str, list[int]]], max_new: int, batch: int, seed: int
 ) -> dict[str, np.ndarray]:
     """Greedy and T=1 continuations for every prompt, grouped by prompt length so batches share positions."""
     generator = torch.Generator().manual_seed(seed)

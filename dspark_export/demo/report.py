@@ -13,12 +13,12 @@ import torch
 from dspark_export.demo.corpus import DOMAINS
 from dspark_export.demo.distill import generate_batch
 from dspark_export.demo.tokens import load_stream
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 
 
 @torch.no_grad()
 def held_out_metrics(
-    model: Qwen3Model, stream: np.ndarray, windows: int, seq_len: int, seed: int = 0
+    model: DecoderModel, stream: np.ndarray, windows: int, seq_len: int, seed: int = 0
 ) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     losses, entropies, hits = [], [], []

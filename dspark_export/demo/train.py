@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.demo.corpus import DOMAINS
 from dspark_export.demo.tokens import load_stream
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 from dspark_export.training import RunFolder, bf16_autocast, learning_rate
 
 
@@ -42,7 +42,7 @@ class TrainConfig:
     seed: int = 0
 
 
-def init_weights(model: Qwen3Model, std: float = 0.02) -> None:
+def init_weights(model: DecoderModel, std: float = 0.02) -> None:
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             torch.nn.init.normal_(module.weight, std=std)
@@ -61,14 +61,14 @@ def sample_batch(streams: dict[str, np.ndarray], weights: dict[str, float], batc
     return torch.from_numpy(np.stack(rows))
 
 
-def lm_loss(model: Qwen3Model, window: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: DecoderModel, window: torch.Tensor) -> torch.Tensor:
     with bf16_autocast():
         logits = model(window[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
 
 
 @torch.no_grad()
-def evaluate(model: Qwen3Model, streams: dict[str, np.ndarray], cfg: TrainConfig) -> dict[str, float]:
+def evaluate(model: DecoderModel, streams: dict[str, np.ndarray], cfg: TrainConfig) -> dict[str, float]:
     """Held-out loss per domain on fixed windows (the same windows at every evaluation)."""
     model.eval()
     rng = np.random.default_rng(cfg.seed + 1)
@@ -81,8 +81,8 @@ def evaluate(model: Qwen3Model, streams: dict[str, np.ndarray], cfg: TrainConfig
     return losses
 
 
-def train(model_config: Qwen3Config, tokens: Path, run: Path, cfg: TrainConfig, threads: int | None = None,
-          until: int | None = None) -> Qwen3Model:
+def train(model_config: DecoderConfig, tokens: Path, run: Path, cfg: TrainConfig, threads: int | None = None,
+          until: int | None = None) -> DecoderModel:
     """Train (or resume) and return the model; progress goes to a tqdm bar and `run/log.jsonl`.
 
     `until` stops early at that step (checkpointed), for runs split across sessions.
@@ -92,7 +92,7 @@ def train(model_config: Qwen3Config, tokens: Path, run: Path, cfg: TrainConfig, 
     train_streams = {d: load_stream(tokens, d, "train") for d in DOMAINS}
     val_streams = {d: load_stream(tokens, d, "val") for d in DOMAINS}
     torch.manual_seed(cfg.seed)
-    model = Qwen3Model(model_config)
+    model = DecoderModel(model_config)
     init_weights(model)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

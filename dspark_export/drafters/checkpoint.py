@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dspark_export.drafters.config import DrafterConfig
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 from dspark_runtime.errors import CheckpointError
 
 
@@ -20,7 +20,7 @@ def build_drafter(config: DrafterConfig) -> torch.nn.Module:
     return Eagle3Drafter(config) if config.drafter_type == "eagle3" else BlockDrafter(config)
 
 
-def attach_target(drafter: torch.nn.Module, target: Qwen3Model) -> None:
+def attach_target(drafter: torch.nn.Module, target: DecoderModel) -> None:
     """Share the target's embedding and LM head with the drafter (frozen), unless the drafter has its own."""
     shared = drafter.config.shared_names()
     if "embed_tokens.weight" in shared:
@@ -45,7 +45,7 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, dtype: str = "flo
     (folder / "config.json").write_text(drafter.config.to_json())
 
 
-def load_drafter(source, target: Qwen3Model) -> torch.nn.Module:
+def load_drafter(source, target: DecoderModel) -> torch.nn.Module:
     """The torch drafter of a `DrafterSource` (any layout `dspark_export.interop` reads), attached to `target`."""
     from dspark_export.checkpoint import as_float32
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 from dspark_runtime.graph_io import DRAFTER_TYPES
 
@@ -33,7 +33,7 @@ class DrafterConfig:
     and EAGLE-3 layout (`dspark_export.interop`) maps onto one model, one graph and one trainer."""
 
     drafter_type: str  # "dspark" | "dflash" | "eagle3"
-    target: dict[str, Any]  # the target's Qwen3Config fields (architecture_fields())
+    target: dict[str, Any]  # the target's DecoderConfig fields (architecture_fields())
     vocab_hash: str | None  # fingerprint of the target tokenizer's vocabulary (None: imported, size checked only)
     mask_token_id: int
     num_layers: int = 1
@@ -62,7 +62,8 @@ class DrafterConfig:
         if self.drafter_type == "eagle3" and self.num_layers != 1:
             raise ConfigError(f"EAGLE-3 drafters run here with exactly one decoder layer, not {self.num_layers}")
         if self.drafter_type != "eagle3" and (not self.qk_norm or self.norm_before_residual):
-            raise ConfigError("qk_norm and norm_before_residual are EAGLE-3 knobs; block drafters use Qwen3 layers")
+            raise ConfigError("qk_norm and norm_before_residual are EAGLE-3 knobs; a block drafter's layers are "
+                              "the target's")
         depth = self.target["num_hidden_layers"]
         bad = [layer for layer in self.feature_layers if not -1 <= layer < depth]
         if bad or not self.feature_layers or list(self.feature_layers) != sorted(set(self.feature_layers)):
@@ -100,10 +101,10 @@ class DrafterConfig:
                                             ("lm_head.weight", self.own_lm_head)) if not own)
 
     @property
-    def target_config(self) -> Qwen3Config:
-        return Qwen3Config(**self.target)
+    def target_config(self) -> DecoderConfig:
+        return DecoderConfig(**self.target)
 
-    def check_target(self, target: Qwen3Config, vocab_hash: str | None) -> None:
+    def check_target(self, target: DecoderConfig, vocab_hash: str | None) -> None:
         """Refuse a target this drafter was not trained for, naming what differs."""
         mine = self.target_config
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim"):

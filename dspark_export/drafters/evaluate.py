@@ -16,7 +16,7 @@ import torch
 from dspark_calibration.metrics import auc, ece
 from dspark_export.drafters.block_drafter import block_draft
 from dspark_export.drafters.eagle3 import eagle3_draft
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 from dspark_runtime.verify import sample, verify_greedy, verify_sampled
 
 
@@ -35,7 +35,7 @@ class Generation:
 
 
 @torch.no_grad()
-def speculative_generate(target: Qwen3Model, drafter, prompt: list[int], max_new: int, temperature: float,
+def speculative_generate(target: DecoderModel, drafter, prompt: list[int], max_new: int, temperature: float,
                          seed: int, stop_ids: tuple[int, ...] = (), draft_fn=None) -> Generation:
     """Generate up to `max_new` tokens after `prompt` by drafting and verifying; returns tokens and rounds.
 
@@ -124,7 +124,7 @@ def summarize(rounds: list[RoundRecord], gamma: int) -> dict:
     }
 
 
-def evaluate(target: Qwen3Model, drafter, prompts: list[dict], tokenizer, temperature: float, max_new: int,
+def evaluate(target: DecoderModel, drafter, prompts: list[dict], tokenizer, temperature: float, max_new: int,
              seed: int = 0, progress=None) -> dict:
     """Run every prompt through speculative generation; τ overall and per domain, acceptance, calibration."""
     stop_ids = tuple(tokenizer.eos_token_ids)

@@ -22,7 +22,7 @@ from dspark_export.drafters.anchors import block_mask, build_blocks, sample_anch
 from dspark_export.drafters.data import Sequences
 from dspark_export.drafters.eagle3 import eagle3_loss
 from dspark_export.drafters.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, drafter_loss
-from dspark_export.model import Qwen3Model
+from dspark_export.model import DecoderModel
 from dspark_export.training import CompactAdamW, RunFolder, bf16_autocast, learning_rate
 
 
@@ -44,7 +44,7 @@ class DrafterTrainConfig:
 
 
 @torch.no_grad()
-def target_pass(target: Qwen3Model, tokens: torch.Tensor, feature_layers,
+def target_pass(target: DecoderModel, tokens: torch.Tensor, feature_layers,
                 at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenated features [B, T, m·H] of `feature_layers` and the target's logits: [B, T, V], or [B, N, V] at
     the positions `at` [B, N] only (at Qwen3's vocabulary, a full [8, 512, V] would take 2.5 GB)."""
@@ -92,7 +92,7 @@ def drafter_step_loss(drafter, target, tokens, lengths, supervised_from, generat
     return eagle3_loss(step_logits, target_logits, lengths, supervised_from, entries, target_ids=drafter.target_ids())
 
 
-def train_drafter(drafter, targets: list[Qwen3Model], data: Sequences, run: Path, cfg: DrafterTrainConfig,
+def train_drafter(drafter, targets: list[DecoderModel], data: Sequences, run: Path, cfg: DrafterTrainConfig,
                   threads: int | None = None, until: int | None = None):
     """Train (or resume) `drafter` in place; progress on a tqdm bar (loss, running τ) and in `run/log.jsonl`.
     Step s distils from `targets[s % len(targets)]` (one target, or the same one at several weight formats, so
@@ -143,7 +143,8 @@ def train_drafter(drafter, targets: list[Qwen3Model], data: Sequences, run: Path
 
 def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: int, gamma: int,
                        markov_rank: int | None, feature_layers: tuple[int, ...] | None):
-    """A drafter config for a target: DFlash and EAGLE-3 have no sequential or confidence head."""
+    """A drafter config for a target: DFlash and EAGLE-3 have no sequential or confidence head; an EAGLE-3 layer
+    norms q and k per head where the target's layers do (SpecForge's Llama drafters do not)."""
     from dspark_export.drafters.config import DrafterConfig, default_feature_layers, default_markov_rank
 
     target = spec.config
@@ -162,4 +163,5 @@ def new_drafter_config(spec, tokenizer, drafter_type: str, head: str, layers: in
         head=head if is_dspark else "none",
         markov_rank=markov_rank or default_markov_rank(target.vocab_size),
         confidence=is_dspark,
+        qk_norm=target.qk_norm or drafter_type != "eagle3",
     )

@@ -24,7 +24,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     """The DSpark / DFlash graph: backbone over [context; block], then the sequential and confidence heads."""
     t = config.target_config
     hq, hkv, d, rows = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block_rows
-    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+    flat_shape = b.const([-1, hq * d])
 
     # block inputs: [anchor, MASK x (N-1)] per request at positions anchor_pos + j
     requests = b.op("Shape", "anchor_ids")
@@ -41,7 +41,7 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         b.op("Concat", "context_pos", block_pos, axis=0),
         b.op("Concat", "context_slot", block_slot, axis=0),
     )
-    cos, sin = rope_tables(b, all_pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
+    cos, sin = rope_tables(b, all_pos, t.inverse_frequencies(), TensorProto.FLOAT)
     context_count = b.op("Shape", "context_pos")
     end = b.const([np.iinfo(np.int64).max])
     cos_blk, sin_blk = (b.op("Slice", c, context_count, end, b.const([0])) for c in (cos, sin))
@@ -49,19 +49,16 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
     new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
-    widths = [hq * d, hkv * d, hkv * d]
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
         attn = p + "self_attn."
         h = ops.rms_norm(x, p + "input_layernorm.weight")
         # one projection of [context; block] rows: the context rows give only keys and values (q of them is unused)
-        q, k, v = ops.qkv(b.op("Concat", context, h, axis=0), attn, widths)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", k, kv_shape), attn + "k_norm.weight"), cos, sin)
-        v = b.op("Reshape", v, kv_shape)
+        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), attn, (hq, hkv), t.qk_norm, t.qkv_bias)
+        k = ops.rope(k, cos, sin)
         for name, projected in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
             b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
-        q = b.op("Slice", q, context_count, end, b.const([0]))
-        q = ops.rope(ops.rms_norm(b.op("Reshape", q, q_shape), attn + "q_norm.weight"), cos_blk, sin_blk)
+        q = ops.rope(b.op("Slice", q, context_count, end, b.const([0])), cos_blk, sin_blk)
         attended_all = f"attention_{layer}"
         b.nodes.append(varlen_attention_node(
             [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,

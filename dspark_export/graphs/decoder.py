@@ -1,4 +1,4 @@
-"""The ops of a Qwen3 decoder on flattened [T, H] activations, shared by the target and drafter graphs."""
+"""The ops of a decoder layer on flattened [T, H] activations, shared by the target and drafter graphs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dspark_plugins.builder import GraphBuilder
 
 
 class DecoderOps:
-    """The ops of a Qwen3 decoder on [T, H] activations, appending to one GraphBuilder."""
+    """The ops of a decoder layer on [T, H] activations, appending to one GraphBuilder."""
 
     def __init__(self, b: GraphBuilder, weights: Weights, eps: float, dtype: int, head_dim: int):
         self.b, self.weights, self.eps, self.dtype, self.head_dim = b, weights, eps, dtype, head_dim
@@ -34,14 +34,24 @@ class DecoderOps:
         gate, up = b.op("Split", both, axis=-1, num_outputs=2, outputs=2)
         return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up), prefix + "down_proj.weight")
 
-    def qkv(self, x: str, prefix: str, widths: list[int], layout: str | None = None) -> list[str]:
-        """q, k and v of a Qwen3 attention layer (`{prefix}q_proj.weight` etc.) from one projection of x's rows,
+    def attention_inputs(self, x: str, prefix: str, heads: tuple[int, int], qk_norm: bool, bias: bool = False,
+                         layout: str | None = None) -> list[str]:
+        """q [.., Hq, D], k and v [.., Hkv, D] of an attention layer (`{prefix}q_proj.weight` etc.) from one
+        projection of x's rows (with the q/k/v biases when `bias`), q and k RMS-normed per head when `qk_norm`;
         re-laid out by the index `layout` when given (after the projection, so padding costs no matmul rows)."""
-        names = [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
-        projected = self.weights.linear(self.b, x, names)
+        b, d = self.b, self.head_dim
+        projections = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
+        projected = self.weights.linear(b, x, [name + ".weight" for name in projections],
+                                        [name + ".bias" for name in projections] if bias else None)
         if layout is not None:
-            projected = self.b.op("Gather", projected, layout)
-        return self.b.op("Split", projected, self.b.const(widths), axis=-1, outputs=3)
+            projected = b.op("Gather", projected, layout)
+        widths = [heads[0] * d, heads[1] * d, heads[1] * d]
+        split = b.op("Split", projected, b.const(widths), axis=-1, outputs=3)
+        per_head = b.const([0] * (2 if layout else 1) + [-1, d])
+        q, k, v = (b.op("Reshape", part, per_head) for part in split)
+        if qk_norm:
+            q, k = self.rms_norm(q, prefix + "q_norm.weight"), self.rms_norm(k, prefix + "k_norm.weight")
+        return [q, k, v]
 
     def rope(self, x: str, cos: str, sin: str) -> str:
         """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""
@@ -50,13 +60,12 @@ class DecoderOps:
         return b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, swapped, axis=-1), sin))
 
 
-def rope_tables(b: GraphBuilder, pos: str, head_dim: int, theta: float, factor: float, dtype: int) -> tuple[str, str]:
-    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles, then the
-    graph dtype), for `DecoderOps.rope`."""
-    inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor).astype(np.float32)
+def rope_tables(b: GraphBuilder, pos: str, inv_freq: np.ndarray, dtype: int) -> tuple[str, str]:
+    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles from the
+    config's `inverse_frequencies`, then the graph dtype), for `DecoderOps.rope`."""
     angles = b.op(
         "Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32)
     )
     angles = b.op("Unsqueeze", b.op("Concat", angles, angles, axis=-1), b.const([1]))
-    sign = b.const(np.repeat([-1.0, 1.0], head_dim // 2), np.float32)
+    sign = b.const(np.repeat([-1.0, 1.0], len(inv_freq)), np.float32)
     return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Mul", b.op("Sin", angles), sign), to=dtype)

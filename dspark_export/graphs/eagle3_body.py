@@ -27,21 +27,17 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
     """Build the graph into `b`: step 0 of every new context entry, then γ chained draft steps."""
     t = config.target_config
     hq, hkv, d = t.num_attention_heads, t.num_key_value_heads, t.head_dim
-    q_shape, kv_shape, flat_shape = b.const([-1, hq, d]), b.const([-1, hkv, d]), b.const([-1, hq * d])
+    flat_shape = b.const([-1, hq * d])
 
     layer, attn = "layers.0.", "layers.0.self_attn."
-    head_norm = lambda x, shape, name: ops.rms_norm(b.op("Reshape", x, shape), attn + name) if config.qk_norm \
-        else b.op("Reshape", x, shape)  # noqa: E731
 
     def project(token_ids: str, hidden: str, pos: str) -> tuple[str, str, str]:
         embedded = ops.weights.embedding(b, token_ids, "embed_tokens.weight")
         x = b.op("Concat", ops.rms_norm(embedded, layer + "input_layernorm.weight"),
                  ops.rms_norm(hidden, layer + "hidden_norm.weight"), axis=-1)
-        cos, sin = rope_tables(b, pos, d, t.rope_theta, t.rope_factor, TensorProto.FLOAT)
-        q, k, v = ops.qkv(x, attn, [hq * d, hkv * d, hkv * d])
-        q = ops.rope(head_norm(q, q_shape, "q_norm.weight"), cos, sin)
-        k = ops.rope(head_norm(k, kv_shape, "k_norm.weight"), cos, sin)
-        return q, k, b.op("Reshape", v, kv_shape)
+        cos, sin = rope_tables(b, pos, t.inverse_frequencies(), TensorProto.FLOAT)
+        q, k, v = ops.attention_inputs(x, attn, (hq, hkv), config.qk_norm)
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v
 
     def finish(attended: str, hidden: str) -> str:
         residual = ops.rms_norm(hidden, layer + "hidden_norm.weight") if config.norm_before_residual else hidden

@@ -1,4 +1,4 @@
-"""Build `target.onnx` straight from a Qwen3 checkpoint (onnx + numpy only, no torch).
+"""Build `target.onnx` straight from a checkpoint (onnx + numpy only, no torch).
 
 One step over a flattened token batch: prefill chunks and verification of several requests mixed. Its
 inputs and outputs are the contract's (`dspark_runtime.graph_io`). Two lowerings of the same model:
@@ -26,7 +26,7 @@ import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.graphs.decoder import DecoderOps, rope_tables
 from dspark_export.graphs.model_file import write_model
 from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, WeightFormat, Weights
@@ -37,7 +37,7 @@ from dspark_runtime.graph_io import target_io
 LOWERINGS = ("portable", "ort")
 
 
-def attention_for(config: Qwen3Config, lowering: str) -> str:
+def attention_for(config: DecoderConfig, lowering: str) -> str:
     """"gqa" (ONNX Runtime's GroupQueryAttention) where the `ort` lowering can use it, else "varlen"."""
     return "gqa" if lowering == "ort" and config.head_dim % 8 == 0 and config.head_dim <= 256 else "varlen"
 
@@ -79,30 +79,24 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
 
 
 class TargetLayers:
-    """Qwen3 decoder layers in one lowering; `layer(i, h, x)` takes the layer's normed input and the residual
+    """The decoder layers in one lowering; `layer(i, h, x)` takes the layer's normed input and the residual
     stream and returns the next layer's normed input (model.norm's after the last) and the new residual."""
 
-    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: Qwen3Config, io, lowering: str, attention: str,
+    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: DecoderConfig, io, lowering: str, attention: str,
                  cache_rows: int):
         self.b, self.ops, self.config, self.lowering, self.attention = b, ops, config, lowering, attention
         self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
         self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention == "gqa" else \
             (io.cache_names("new_key"), io.cache_names("new_value"))
-        hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.widths = [hq * d, hkv * d, hkv * d]
+        d, inv_freq = config.head_dim, config.inverse_frequencies()
+        self.heads = (config.num_attention_heads, config.num_key_value_heads)
         if attention == "gqa":
-            positions = np.arange(cache_rows, dtype=np.float64)[:, None]
-            inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d) / config.rope_factor
-            angles = positions * inv_freq[None]
+            angles = np.arange(cache_rows, dtype=np.float64)[:, None] * inv_freq[None]
             np_dtype = np.float16 if ops.dtype == TensorProto.FLOAT16 else np.float32
             self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)
         else:
-            self.cos, self.sin = rope_tables(b, "pos", d, config.rope_theta, config.rope_factor, ops.dtype)
-            self.q_shape, self.kv_shape, self.flat_shape = (
-                b.const([-1, hq, d]),
-                b.const([-1, hkv, d]),
-                b.const([-1, hq * d]),
-            )
+            self.cos, self.sin = rope_tables(b, "pos", inv_freq, ops.dtype)
+            self.flat_shape = b.const([-1, config.num_attention_heads * d])
 
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
         ops, p = self.ops, f"model.layers.{layer}."
@@ -128,50 +122,22 @@ class TargetLayers:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
         b, ops, c = self.b, self.ops, self.config
         keys, values = self.out[0][layer], self.out[1][layer]
-        if self.attention == "gqa":  # in the slot-padded layout: the runtime's slot_rows, token_rows, lengths
-            q, k, v = ops.qkv(h, prefix, self.widths, layout="slot_rows")  # [S, M, ...]
-            q = b.op(
-                "Reshape",
-                ops.rms_norm(b.op("Reshape", q, b.const([0, 0, -1, c.head_dim])), prefix + "q_norm.weight"),
-                b.const([0, 0, -1]),
-            )
-            k = b.op(
-                "Reshape",
-                ops.rms_norm(b.op("Reshape", k, b.const([0, 0, -1, c.head_dim])), prefix + "k_norm.weight"),
-                b.const([0, 0, -1]),
-            )
-            out = b.op(
-                "GroupQueryAttention",
-                q,
-                k,
-                v,
-                self.past[0][layer],
-                self.past[1][layer],
-                "seqlens_k",
-                "total_length",
-                self.cos,
-                self.sin,
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "query_seqlens",
-                names=[b.name("attention"), keys, values],
-                domain="com.microsoft",
-                num_heads=c.num_attention_heads,
-                kv_num_heads=c.num_key_value_heads,
-                do_rotary=1,
-                scale=float(c.head_dim**-0.5),
-            )[0]
+        heads = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias,
+                                     "slot_rows" if self.attention == "gqa" else None)
+        if self.attention == "gqa":  # in the slot-padded layout [S, M, ...]: the runtime's slot_rows, token_rows
+            flat = b.const([0, 0, -1])
+            q, k, v = (b.op("Reshape", x, flat) for x in heads)
+            out = b.op("GroupQueryAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k",
+                       "total_length", self.cos, self.sin, *[""] * 7, "query_seqlens",
+                       names=[b.name("attention"), keys, values], domain="com.microsoft",
+                       num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, do_rotary=1,
+                       scale=float(c.head_dim**-0.5))[0]
             return b.op("GatherND", out, "token_rows")  # the T real rows
-        q, k, v = ops.qkv(h, prefix, self.widths)
-        q = ops.rope(ops.rms_norm(b.op("Reshape", q, self.q_shape), prefix + "q_norm.weight"), self.cos, self.sin)
-        k = ops.rope(ops.rms_norm(b.op("Reshape", k, self.kv_shape), prefix + "k_norm.weight"), self.cos, self.sin)
-        new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", b.op("Reshape", v, self.kv_shape), name=values)
+        q, k, v = heads
+        q, k = ops.rope(q, self.cos, self.sin), ops.rope(k, self.cos, self.sin)
+        new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", v, name=values)
         attended = b.name("attention")
         b.nodes.append(varlen_attention_node([q, new_k, new_v, self.past[0][layer], self.past[1][layer], "slot", "pos",
                                               "cache_len"], attended, c.head_dim, name=f"attention_node_{layer}"))
         return b.op("Reshape", attended, self.flat_shape)
+

@@ -207,17 +207,18 @@ class Weights:
             self._done()
         return name
 
-    def linear(self, b: GraphBuilder, x: str, names: str | Sequence[str], bias: str | None = None) -> str:
-        """x [.., in] @ W[out, in]^T (+ the tensor `bias` [out]) -> [.., out]; several `names` are one projection
+    def linear(self, b: GraphBuilder, x: str, names: str | Sequence[str],
+               bias: str | Sequence[str] | None = None) -> str:
+        """x [.., in] @ W[out, in]^T (+ the bias [out]) -> [.., out]; several `names` (and biases) are one projection
         onto their concatenated outputs (e.g. q, k and v)."""
         names = [names] if isinstance(names, str) else list(names)
         if names[0] in self.borrowed and len(names) == 1 and bias is None:
             return self._borrow(b, x, names[0], lambda lender, x, name: lender.linear(b, x, name))
+        biases = [] if bias is None else [self._tensor([bias] if isinstance(bias, str) else list(bias))]
         if not self._quantizes(names[0]):
-            weight = self(names[0]) if len(names) == 1 else self._concatenated(names)
-            return b.op("Gemm", x, weight, *([self(bias)] if bias else []), transB=1)
+            return b.op("Gemm", x, self._tensor(names), *biases, transB=1)
         codes, scales, n, k = self._quantized(names)
-        return b.op("MatMulNBits", x, codes, scales, *(["", "", self(bias)] if bias else []), domain="com.microsoft",
+        return b.op("MatMulNBits", x, codes, scales, *(["", "", *biases] if biases else []), domain="com.microsoft",
                     K=k, N=n, bits=self.format.bits, block_size=self.format.block_size,
                     accuracy_level=self.format.accuracy_level)
 
@@ -236,7 +237,10 @@ class Weights:
                     quantize_axis=2)
         return b.op("Reshape", rows, b.const([-1, hidden]))
 
-    def _concatenated(self, names: list[str]) -> str:
+    def _tensor(self, names: list[str]) -> str:
+        """The initializer of one tensor, or of several concatenated along their first axis."""
+        if len(names) == 1:
+            return self(names[0])
         key = "+".join(names)
         if key not in self.initializers:
             self._add(key, np.concatenate([convert(*self.read(name), self.dtype) for name in names]), self.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_export.checkpoint import Checkpoint, index_tensors
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
 from dspark_export.interop import deepspec, native, specforge, speculators, zlab
 from dspark_export.interop.source import DrafterSource, Target
@@ -22,7 +22,7 @@ from dspark_export.interop.source import DrafterSource, Target
 LAYOUTS = (native, deepspec, speculators, zlab, specforge)
 
 
-def open_drafter(folder: str | Path, config: Qwen3Config, checkpoint: Checkpoint | None = None,
+def open_drafter(folder: str | Path, config: DecoderConfig, checkpoint: Checkpoint | None = None,
                  tokenizer=None) -> DrafterSource:
     """Read the drafter in `folder` for the target of `config`; a layout DSpark cannot run is refused with one
     line. The target's `checkpoint` lets stored copies of its embedding and LM head be shared; its `ChatTokenizer`

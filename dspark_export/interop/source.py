@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dspark_export.checkpoint import Checkpoint, TensorInfo, tensor_view
-from dspark_export.config import Qwen3Config
+from dspark_export.config import DecoderConfig
 from dspark_export.drafters.config import DrafterConfig
 from dspark_runtime.errors import CheckpointError, ConfigError
 
@@ -27,7 +27,7 @@ OUTPUT_TABLES = ("lm_head.weight", "markov_head.markov_w2.weight")  # rows score
 class Target:
     """What an import checks a drafter against."""
 
-    config: Qwen3Config
+    config: DecoderConfig
     checkpoint: Checkpoint | None = None  # its tensors: an embedding or LM head that copies them is shared
     tokenizer: Any = None  # its ChatTokenizer: tells padding from tokens, checks our drafters' fingerprint
 
@@ -96,7 +96,7 @@ def check_geometry(drafter: dict[str, Any], target: Target, where: Path) -> int:
             f"the drafter in {where} has sliding-window layers; DSpark's drafters attend to the whole context"
         )
     if drafter.get("attention_bias"):
-        raise ConfigError(f"the drafter in {where} has attention biases, which Qwen3 drafters do not")
+        raise ConfigError(f"the drafter in {where} has attention biases, which DSpark's drafter layers do not")
     return int(drafter.get("intermediate_size") or t.intermediate_size)
 
 
