@@ -1,7 +1,9 @@
-"""DSpark exporter: Qwen3 targets and drafters in torch, ONNX graph building, the `dspark-export` CLI."""
+"""DSpark exporter: targets (Qwen3, Qwen2.5, Llama-3.x) and drafters in torch, ONNX graph building, the
+`dspark-export` CLI, and the bundled demo's engine (`demo_engine()`)."""
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.config import DecoderConfig
+from dspark_export.demo.engine import demo_engine
 from dspark_export.presets import KNOWN_TARGETS, TargetSpec, resolve_target
 
-__all__ = ["Checkpoint", "KNOWN_TARGETS", "DecoderConfig", "TargetSpec", "resolve_target"]
+__all__ = ["Checkpoint", "KNOWN_TARGETS", "DecoderConfig", "TargetSpec", "demo_engine", "resolve_target"]

@@ -25,7 +25,7 @@ from dspark_export.interop.source import DrafterSource
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
-from dspark_runtime.engine_dir import (
+from dspark_common.engine_dir import (
     DRAFTER_GRAPH,
     TARGET_GRAPH,
     TOKENIZER_FILES,
@@ -34,8 +34,8 @@ from dspark_runtime.engine_dir import (
     weights_digest,
     write_manifest,
 )
-from dspark_runtime.errors import DSparkError
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_common.errors import DSparkError
+from dspark_common.tokenizer import ChatTokenizer
 
 BACKENDS = ("auto", "ort", "trt")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_export.config import DecoderConfig
-from dspark_runtime.errors import CheckpointError
+from dspark_common.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

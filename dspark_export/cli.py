@@ -10,8 +10,8 @@ import click
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
-from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
-from dspark_runtime.graph_io import DRAFTER_TYPES
+from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
+from dspark_common.graph_io import DRAFTER_TYPES
 
 STREAMED_TARGET_BYTES = 1 << 30  # `train` reads a larger target's layers from its checkpoint as they run
 
@@ -447,7 +447,7 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     from dspark_export.interop import open_drafter
     from dspark_export.interop.export import convert_drafter
     from dspark_export.presets import PRESETS, resolve_target
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.tokenizer import ChatTokenizer
 
     spec = resolve_target(*default_to_demo(target, target_path))
     checkpoint = Checkpoint(spec.require_path(), spec.config)

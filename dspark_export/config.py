@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
+from dspark_common.errors import CheckpointError, ConfigError, read_json_file
 
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

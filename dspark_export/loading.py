@@ -10,8 +10,8 @@ from dspark_export.checkpoint import Checkpoint
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.model import DecoderModel, to_torch
 from dspark_export.presets import TargetSpec
-from dspark_runtime.errors import CheckpointError
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_common.errors import CheckpointError
+from dspark_common.tokenizer import ChatTokenizer
 
 
 def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32", streamed: bool = False,

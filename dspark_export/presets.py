@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from dspark_export.config import DecoderConfig
-from dspark_runtime.errors import CheckpointError, ConfigError
+from dspark_common.errors import CheckpointError, ConfigError
 
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> DecoderConfig:

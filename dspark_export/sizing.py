@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark_export.config import DTYPE_BYTES, DecoderConfig
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.graphs.weights import WeightFormat
 
 DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told otherwise

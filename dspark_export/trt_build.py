@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
-from dspark_runtime.errors import DSparkError, MissingDependencyError
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
+from dspark_common.errors import DSparkError, MissingDependencyError
+from dspark_common.graph_io import GraphIO
 
 Shape = tuple[int, ...]
 

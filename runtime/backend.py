@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from dspark_runtime.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, Manifest
-from dspark_runtime.errors import DSparkError, MissingDependencyError
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, Manifest
+from dspark_common.errors import DSparkError, MissingDependencyError
+from dspark_common.graph_io import GraphIO
 from dspark_runtime.kv_cache import KVCache
 from dspark_runtime.runner import Batch
 

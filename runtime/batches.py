@@ -11,8 +11,8 @@ from functools import cached_property
 
 import numpy as np
 
-from dspark_runtime.errors import DSparkError
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.errors import DSparkError
+from dspark_common.graph_io import GraphIO
 
 
 

@@ -13,8 +13,8 @@ from dspark_calibration.plots import reliability_png
 from dspark_calibration.sts import DEFAULT_BIASES, calibration_report, fit_sts
 from dspark_runtime.bench import prompt_of
 from dspark_runtime.engine import Engine
-from dspark_runtime.engine_dir import CALIBRATION, read_calibration
-from dspark_runtime.errors import DSparkError
+from dspark_common.engine_dir import CALIBRATION, read_calibration
+from dspark_common.errors import DSparkError
 from dspark_runtime.sampling import SamplingParams
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dspark_runtime.cli_common import DSparkGroup, parse_size, prompt_options
+from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
 
 if TYPE_CHECKING:
     from dspark_runtime.engine import Completion, Engine
@@ -28,10 +28,15 @@ def engine_options(command):
 
 
 def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engine:
-    """The engine a command runs (the bundled demo when `engine_dir` is None), on the thread pool `shared_pool` says."""
+    """The engine a command runs, on the thread pool `shared_pool` says: ENGINE_DIR, or the bundled demo's, which the
+    exporter builds on first use (the runtime's one call into the exporter)."""
     from dspark_runtime.backend import OrtBackend
     from dspark_runtime.engine import Engine
 
+    if engine_dir is None:
+        from dspark_export.demo.engine import demo_engine
+
+        engine_dir = demo_engine()
     return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()), **options)
 
 

@@ -17,15 +17,15 @@ import numpy as np
 
 from dspark_calibration.sts import prefix_survival
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
-from dspark_runtime.engine_dir import Manifest
-from dspark_runtime.errors import DSparkError
+from dspark_common.engine_dir import Manifest
+from dspark_common.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
 from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
-from dspark_runtime.randomness import EMIT
+from dspark_common.randomness import EMIT
 from dspark_runtime.runner import GraphRunner
 from dspark_runtime.sequence import Sequence
-from dspark_runtime.verify import sample, verify_greedy, verify_sampled
+from dspark_common.verify import sample, verify_greedy, verify_sampled
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 Result = TypeVar("Result")

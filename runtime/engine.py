@@ -1,4 +1,4 @@
-"""The public runtime: `Engine.load()`, then `generate`, `stream`, `chat`, from any number of threads.
+"""The public runtime: `Engine.load(folder)`, then `generate`, `stream`, `chat`, from any number of threads.
 
 One background thread owns the `EngineCore` and steps it while there is work; requests submitted
 from other threads are batched into the same steps.
@@ -18,7 +18,7 @@ import numpy as np
 
 from dspark_runtime.core import EngineCore
 from dspark_runtime.backend import OrtBackend
-from dspark_runtime.engine_dir import (
+from dspark_common.engine_dir import (
     HARDWARE_CURVE,
     EngineError,
     Manifest,
@@ -28,15 +28,15 @@ from dspark_runtime.engine_dir import (
     read_speed_curve,
     sts_by_temperature,
 )
-from dspark_runtime.errors import DSparkError, InvalidRequestError
+from dspark_common.errors import DSparkError, InvalidRequestError
 from dspark_runtime.output import Delta, OutputState
-from dspark_runtime.randomness import KeyedRandom
+from dspark_common.randomness import KeyedRandom
 from dspark_runtime.runner import Backend, GraphRunner
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import RequestStats, Sequence
 from dspark_runtime.spec_mode import SpecMode
-from dspark_runtime.tokenizer import ChatTokenizer, TokenizerError, chat_messages, checked_text
+from dspark_common.tokenizer import ChatTokenizer, TokenizerError, chat_messages, checked_text
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -172,15 +172,15 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def load(cls, path: str | Path | None = None, backend: Backend | None = None, profile: bool = True) -> "Engine":
-        """Load an engine directory (None: the bundled demo, built into the user cache on first use, which a
-        line on stderr announces) onto `backend` (default: ONNX Runtime on every core, `OrtBackend`).
+    def load(cls, path: str | Path, backend: Backend | None = None, profile: bool = True) -> "Engine":
+        """Load an engine directory (`dspark_export.demo_engine()` is the bundled demo's) onto `backend` (default:
+        ONNX Runtime on every core, `OrtBackend`).
 
         An engine with a drafter but no hardware_curve.json, or one measured on another machine or with another
         thread count, is profiled first, announced by a line on stderr (`profile=False` skips it: then `sync`/`async`
         are unavailable without a curve, and a line warns about a curve from elsewhere).
         """
-        folder = Path(path) if path is not None else _demo_engine()
+        folder = Path(path)
         manifest = read_manifest(folder)
         tokenizer = ChatTokenizer.from_dir(folder)
         if tokenizer.vocab_size > manifest.vocab_size:
@@ -437,24 +437,3 @@ def _described(curve: dict) -> str:
     if not isinstance(record, dict):
         return "by an older DSpark that did not record the machine"
     return f"on {record.get('cpu')} with {record.get('threads')} thread(s), not on this machine and thread count"
-
-
-def _demo_engine() -> Path:
-    """The bundled demo's engine in the user cache, built on first use (no network, no torch)."""
-    try:
-        from dspark_export.build import build_engine, default_engine_dir, source_digests
-        from dspark_export.drafters.bundled import bundled_drafters, bundled_root
-        from dspark_export.presets import demo_dir, resolve_target
-    except ImportError as exc:  # pragma: no cover - only without the exporter installed
-        raise EngineError(f"the bundled demo needs dspark_export to build its engine: {exc}") from None
-    drafter = "demo-dspark" if "demo-dspark" in bundled_drafters() else None
-    drafter_dir = bundled_root() / drafter if drafter else None
-    folder = default_engine_dir("demo", drafter)
-    try:
-        current = read_manifest(folder).sources == source_digests(demo_dir(), drafter_dir)
-    except EngineError:
-        current = False
-    if not current:  # never built, damaged, or built from weights or by an exporter an upgrade has since replaced
-        print(f"building the demo engine into {folder} (first use; seconds)...", file=sys.stderr)
-        build_engine(resolve_target("demo"), folder, drafter_dir, drafter, force=True, show_progress=False)
-    return folder

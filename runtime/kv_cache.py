@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.graph_io import GraphIO
 
 
 class KVCache:

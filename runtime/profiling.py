@@ -22,7 +22,7 @@ import numpy as np
 from dspark_calibration.timing import cost_table, median_seconds
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_runtime.core import EngineCore
-from dspark_runtime.engine_dir import HARDWARE_CURVE
+from dspark_common.engine_dir import HARDWARE_CURVE
 from dspark_runtime.scheduler import PROFILED_CONTEXT_ROWS
 
 

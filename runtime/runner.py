@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dspark_runtime.engine_dir import Manifest
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.engine_dir import Manifest
+from dspark_common.graph_io import GraphIO
 
 
 class Batch(Protocol):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark_runtime.errors import InvalidRequestError
+from dspark_common.errors import InvalidRequestError
 
 
 TEMPERATURE_FLOOR = 1e-5  # a positive temperature below this samples greedily (float32 cannot divide by it)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_runtime.randomness import KeyedRandom
+from dspark_common.randomness import KeyedRandom
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
 from dspark_runtime.spec_mode import SpecMode
 

@@ -25,9 +25,9 @@ from itertools import accumulate
 from typing import Any
 
 from dspark_runtime.engine import Completion, Engine, Request
-from dspark_runtime.errors import DSparkError, InvalidRequestError, MissingDependencyError
+from dspark_common.errors import DSparkError, InvalidRequestError, MissingDependencyError
 from dspark_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_common.tokenizer import ChatTokenizer
 
 COMMON_FIELDS = {
     "model",

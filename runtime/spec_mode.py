@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_runtime.errors import InvalidRequestError
+from dspark_common.errors import InvalidRequestError
 
 MODES = ("off", "fixed", "sync", "async")
 

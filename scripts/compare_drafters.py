@@ -36,7 +36,7 @@ def bench_drafter(name: str, args) -> dict:
     from dspark_runtime import Engine, OrtBackend, SamplingParams
     from dspark_runtime.bench import run_benchmark
     from dspark_runtime.calibrate import calibrate
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
+    from dspark_common.prompts import demo_prompts_path, read_prompts
 
     drafter, _, gamma = name.partition("@")
     folder = args.work / Path(name).name

@@ -249,9 +249,9 @@ def main() -> None:
 
     from dspark_export.build import default_engine_dir
     from dspark_export.presets import resolve_target
-    from dspark_runtime.engine_dir import read_manifest
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.engine_dir import read_manifest
+    from dspark_common.prompts import demo_prompts_path, read_prompts
+    from dspark_common.tokenizer import ChatTokenizer
 
     names, modes = args.peers.split(","), args.modes.split(",")
     if any(name.startswith("llama.cpp") for name in names) and args.llama_cpp is None:

@@ -25,7 +25,7 @@ def main() -> None:
 
     from dspark_runtime import Engine, OrtBackend, SamplingParams
     from dspark_runtime.bench import run_mode
-    from dspark_runtime.prompts import demo_prompts_path, read_prompts
+    from dspark_common.prompts import demo_prompts_path, read_prompts
 
     rows = read_prompts(demo_prompts_path(), args.limit)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

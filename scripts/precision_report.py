@@ -24,7 +24,7 @@ def run_graph(engine: Path, ids: list[int]) -> np.ndarray:
     """The logits of a whole prompt run as one prefill step through an engine's target graph."""
     from dspark_runtime.backend import OrtBackend
     from dspark_runtime.batches import TargetBatch
-    from dspark_runtime.engine_dir import read_manifest
+    from dspark_common.engine_dir import read_manifest
 
     graph, _ = OrtBackend().open(engine, read_manifest(engine))
     batch = TargetBatch(np.asarray(ids), np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
@@ -37,10 +37,10 @@ def main() -> None:
 
     from dspark_export.build import build_engine
     from dspark_export.graphs.weights import WeightFormat
-    from dspark_runtime.prompts import demo_prompts_path
+    from dspark_common.prompts import demo_prompts_path
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
-    from dspark_runtime.prompts import read_prompts
+    from dspark_common.prompts import read_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=6, help="prompts per domain")

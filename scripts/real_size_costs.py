@@ -102,8 +102,8 @@ def main() -> None:
     from dspark_export.presets import demo_dir, resolve_target
     from dspark_runtime.backend import OrtRunner, share_thread_pool
     from dspark_runtime.batches import TargetBatch
-    from dspark_runtime.engine_dir import read_manifest
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.engine_dir import read_manifest
+    from dspark_common.tokenizer import ChatTokenizer
 
     checkpoint_dir = args.work / args.target
     if not (checkpoint_dir / "model.safetensors.index.json").is_file():

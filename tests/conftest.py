@@ -82,7 +82,7 @@ def write_drafter(target_folder, out, **overrides):
     from dspark_export.config import DecoderConfig
     from dspark_export.drafters.checkpoint import build_drafter, save_drafter
     from dspark_export.drafters.config import DrafterConfig
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.tokenizer import ChatTokenizer
 
     config = DecoderConfig.from_dir(target_folder)
     fields = dict(drafter_type="dspark", target=config.architecture_fields() | {"dtype": "float32"},
@@ -159,7 +159,7 @@ def write_curve(folder: Path, target_seconds: list[float], draft_seconds: list[f
 from dspark_runtime import SamplingParams  # noqa: E402
 from dspark_runtime.backend import OrtBackend  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
-from dspark_runtime.engine_dir import read_manifest  # noqa: E402
+from dspark_common.engine_dir import read_manifest  # noqa: E402
 from dspark_runtime.sampling import target_rows  # noqa: E402
 
 SAMPLES = 3000

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_runtime.engine_dir import Manifest
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.engine_dir import Manifest
+from dspark_common.graph_io import GraphIO
 from dspark_runtime.runner import Backend, Batch, GraphRunner
 
 

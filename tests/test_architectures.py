@@ -24,7 +24,7 @@ from dspark_export.loading import load_target  # noqa: E402
 from dspark_export.presets import PRESETS, resolve_target  # noqa: E402
 from dspark_runtime import Engine, OrtBackend, SamplingParams  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
-from dspark_runtime.engine_dir import read_manifest  # noqa: E402
+from dspark_common.engine_dir import read_manifest  # noqa: E402
 from tests.conftest import TEXT, exact_joint, p_value, sample_pairs, write_curve, write_sequences  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -99,7 +99,7 @@ def reference_greedy(folder: Path, prompt: list[int], count: int) -> tuple[list[
 
 
 def test_torch_model_and_engine_generate_what_transformers_does(stand_in, tmp_path):
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.tokenizer import ChatTokenizer
 
     prompt = ChatTokenizer.from_dir(stand_in).encode(PROMPTS[0])
     expected, expected_logits = reference_greedy(stand_in, prompt, 24)

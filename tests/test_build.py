@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.config import DecoderConfig  # noqa: E402
-from dspark_runtime.engine_dir import EngineError, read_manifest  # noqa: E402
+from dspark_common.engine_dir import EngineError, read_manifest  # noqa: E402
 from tests.conftest import write_drafter, write_hf_checkpoint  # noqa: E402
 
 
@@ -54,23 +54,23 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_pa
     running the old engine."""
     import json
 
-    from dspark_runtime.engine import _demo_engine
+    from dspark_export import demo_engine
 
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
-    folder = _demo_engine()
+    folder = demo_engine()
     manifest = read_manifest(folder)
     assert set(manifest.sources) == {"target", "drafter", "target_counts"}  # the draft vocabulary's counts
     (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
-    assert _demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
+    assert demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
     stale = json.loads((folder / "manifest.json").read_text())
     stale["sources"]["drafter"] = "0" * 64  # as if built from an older bundled drafter
     (folder / "manifest.json").write_text(json.dumps(stale))
-    assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
+    assert demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
     assert read_manifest(folder).sources == manifest.sources
     stale["sources"], stale["format_version"] = manifest.sources, manifest.format_version - 1  # an older exporter's
     (folder / "manifest.json").write_text(json.dumps(stale))
     (folder / "hardware_curve.json").write_text("{}")
-    assert _demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
+    assert demo_engine() == folder and not (folder / "hardware_curve.json").exists()  # rebuilt
 
 
 def test_altered_or_missing_files_are_refused(tmp_path, target):
@@ -128,7 +128,7 @@ def test_bad_inputs(tmp_path, target):
 def test_tensorrt_profiles_cover_every_graph_input(tmp_path, target):
     """The TensorRT path's optimization profile, derived from the manifest, for the real graphs (no GPU needed)."""
     from dspark_export.trt_build import dimension_ranges, profile_shapes
-    from dspark_runtime.graph_io import GraphIO, Tensor
+    from dspark_common.graph_io import GraphIO, Tensor
 
     drafter = write_drafter(target, tmp_path / "drafter")
     assert build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"),

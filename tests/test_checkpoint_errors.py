@@ -12,7 +12,7 @@ from dspark_export.checkpoint import Checkpoint
 from dspark_export.cli import main
 from dspark_export.config import DecoderConfig
 from dspark_export.presets import resolve_target
-from dspark_runtime.errors import CheckpointError, ConfigError
+from dspark_common.errors import CheckpointError, ConfigError
 from tests.conftest import write_hf_checkpoint
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from dspark_export.demo.build import DEMO_CONFIG
-from dspark_runtime.prompts import demo_prompts_path
+from dspark_common.prompts import demo_prompts_path
 from dspark_export.presets import demo_dir, resolve_target
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_common.tokenizer import ChatTokenizer
 
 torch = pytest.importorskip("torch")
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.drafters.draft_vocab import DraftVocab, most_frequent  # noqa: E402
-from dspark_runtime.errors import ConfigError  # noqa: E402
+from dspark_common.errors import ConfigError  # noqa: E402
 from dspark_runtime import Engine, OrtBackend, SamplingParams  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.conftest import write_drafter, write_sequences  # noqa: E402

@@ -17,7 +17,7 @@ from dspark_export.drafters.data import Sequences  # noqa: E402
 from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: E402
 from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
 from dspark_export.model import DecoderModel  # noqa: E402
-from dspark_runtime.errors import ConfigError  # noqa: E402
+from dspark_common.errors import ConfigError  # noqa: E402
 from dspark_export.interop import open_drafter  # noqa: E402
 
 TARGET = DecoderConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

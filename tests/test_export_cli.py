@@ -104,7 +104,7 @@ def test_a_quantized_torch_target_computes_what_the_int4_engine_does(tmp_path, t
     from dspark_export.presets import resolve_target
     from dspark_runtime.backend import OrtBackend
     from dspark_runtime.batches import TargetBatch
-    from dspark_runtime.engine_dir import read_manifest
+    from dspark_common.engine_dir import read_manifest
 
     spec = resolve_target(None, str(tiny_target))
     engine = build_engine(spec, tmp_path / "engine", weights=WeightFormat("int4", accuracy_level=0), cache_slots=1,

@@ -31,8 +31,8 @@ from dspark_export.presets import demo_dir, resolve_target
 from dspark_runtime import Engine, OrtBackend
 from dspark_runtime.backend import OrtRunner
 from dspark_runtime.batches import TargetBatch
-from dspark_runtime.graph_io import target_io
-from dspark_runtime.prompts import demo_prompts_path, read_prompts
+from dspark_common.graph_io import target_io
+from dspark_common.prompts import demo_prompts_path, read_prompts
 from dspark_runtime.sampling import SamplingParams
 
 SCALE = 300.0

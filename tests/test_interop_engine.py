@@ -227,7 +227,7 @@ def test_a_vocabulary_padded_past_the_target_is_accepted(target, tmp_path):
     exactly as the unpadded one."""
     from dspark_export.graphs.drafter import build_drafter_onnx
     from dspark_export.interop import open_drafter
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.tokenizer import ChatTokenizer
 
     wide = rewrite(shutil.copytree(FIXTURES / "deepspec-gated", tmp_path / "wide"), {"vocab_size": 320},
                    lambda arrays: padded(arrays, 320))

@@ -41,7 +41,7 @@ def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engi
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) > 1e-3
 
         import dspark_runtime.core as core
-        from dspark_runtime.verify import sample
+        from dspark_common.verify import sample
 
         def no_residual(target_probs, draft_probs, draft_tokens, uniform):
             for k, token in enumerate(draft_tokens):

@@ -18,7 +18,7 @@ from dspark_export.graphs.weights import WeightFormat, quantize_rows  # noqa: E4
 from dspark_export.model import DecoderModel  # noqa: E402
 from dspark_runtime.backend import OrtRunner  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
-from dspark_runtime.graph_io import target_io  # noqa: E402
+from dspark_common.graph_io import target_io  # noqa: E402
 from tests.conftest import write_hf_checkpoint  # noqa: E402
 
 SLOTS, ROWS = 3, 32

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_runtime import Engine, OrtBackend, SamplingParams
-from dspark_runtime.errors import InvalidRequestError
+from dspark_common.errors import InvalidRequestError
 
 torch = pytest.importorskip("torch")
 
@@ -173,8 +173,8 @@ def test_runtime_imports_no_torch():
 
 
 def test_an_error_class_does_not_load_the_engine():
-    """The exporter imports the runtime's errors; that must not load the engine, ONNX Runtime or the tokenizer."""
-    code = ("import sys, dspark_export.config, dspark_runtime.errors; loaded = [m for m in sys.modules if m in "
+    """The exporter imports the shared errors; that must not load the engine, ONNX Runtime or the tokenizer."""
+    code = ("import sys, dspark_export.config, dspark_common.errors; loaded = [m for m in sys.modules if m in "
             "('dspark_runtime.engine', 'onnxruntime', 'tokenizers')]; print(loaded); sys.exit(1 if loaded else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -259,7 +259,7 @@ def test_bench_command(engine_dir, tmp_path):
 
 
 def test_prompt_files_split_per_domain(tmp_path):
-    from dspark_runtime.prompts import read_prompts
+    from dspark_common.prompts import read_prompts
 
     file = tmp_path / "prompts.jsonl"
     rows = [{"domain": d, "prompt": f"{d}{i}"} for i in range(4) for d in ("code", "chat")]

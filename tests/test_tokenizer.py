@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dspark_export.demo.tokenizer import SPECIAL_TOKENS, train_tokenizer
-from dspark_runtime.errors import TokenizerError
-from dspark_runtime.tokenizer import ChatTokenizer
+from dspark_common.errors import TokenizerError
+from dspark_common.tokenizer import ChatTokenizer
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
 TEXT = ["def add(a, b):\n    return a + b\n", "Hello there, how are you today?", "The answer is 42."] * 50

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.randomness import ACCEPT, EMIT, KeyedRandom
-from dspark_runtime.verify import residual, sample, verify_greedy, verify_sampled
+from dspark_common.randomness import ACCEPT, EMIT, KeyedRandom
+from dspark_common.verify import residual, sample, verify_greedy, verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -16,7 +16,7 @@ import click
 from dspark_export.config import DecoderConfig
 from dspark_export.demo.corpus import build_corpus, read_jsonl, DOMAINS
 from dspark_export.presets import demo_dir
-from dspark_runtime.prompts import demo_prompts_path
+from dspark_common.prompts import demo_prompts_path
 
 # Sized by measurement on the 2-core dev box (see README, "The demo target"): fp32 training there runs
 # S 5.3M params at 1.8k tok/s, M 13.5M at 0.87k, L 29M at 0.48k; M verifies 8 tokens for 1.42x one token.
@@ -52,7 +52,7 @@ def main(work: Path, steps: int, threads: int | None, export_only: bool) -> None
     from dspark_export.demo.tokens import tokenize_corpus
     from dspark_export.demo.train import TrainConfig, train
     from dspark_export.model import save_checkpoint
-    from dspark_runtime.tokenizer import ChatTokenizer
+    from dspark_common.tokenizer import ChatTokenizer
 
     corpus, tokenizer_dir, tokens, run = work / "corpus", work / "tokenizer", work / "tokens", work / "run"
     if not (corpus / "chat.test.jsonl").is_file():

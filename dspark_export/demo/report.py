@@ -43,7 +43,7 @@ def held_out_metrics(
 @click.option("--samples", type=int, default=2, show_default=True, help="Greedy samples per domain.")
 def main(work: Path, windows: int, samples: int) -> None:
     """Report the bundled demo target's held-out quality."""
-    from dspark_runtime.prompts import demo_prompts_path
+    from dspark_common.prompts import demo_prompts_path
     from dspark_export.loading import load_target
     from dspark_export.presets import resolve_target
 

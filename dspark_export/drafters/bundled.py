@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from dspark_runtime.errors import CheckpointError
+from dspark_common.errors import CheckpointError
 from dspark_export.presets import cached_snapshots, hf_cache_roots
 
 BUNDLED_PREFIX = "demo-"

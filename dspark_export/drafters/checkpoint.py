@@ -10,7 +10,7 @@ import torch
 
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.model import DecoderModel
-from dspark_runtime.errors import CheckpointError
+from dspark_common.errors import CheckpointError
 
 
 def build_drafter(config: DrafterConfig) -> torch.nn.Module:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark_export.config import DecoderConfig
-from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
-from dspark_runtime.graph_io import DRAFTER_TYPES
+from dspark_common.errors import CheckpointError, ConfigError, read_json_file
+from dspark_common.graph_io import DRAFTER_TYPES
 
 HEADS = ("markov", "gated", "rnn", "none")  # DeepSpec's markov_head_type names "markov" `vanilla`
 

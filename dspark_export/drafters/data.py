@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_runtime.errors import CheckpointError
+from dspark_common.errors import CheckpointError
 
 
 def token_dtype(vocab_size: int) -> type:

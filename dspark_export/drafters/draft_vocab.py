@@ -23,7 +23,7 @@ import numpy as np
 
 from dspark_export.checkpoint import Checkpoint
 from dspark_export.drafters.data import Sequences
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.interop.source import OUTPUT_TABLES, DrafterSource
 
 SOURCE_KEY = "draft_vocab_source"  # where a draft vocabulary's frequencies came from, in the config's `extra`

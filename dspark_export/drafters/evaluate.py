@@ -3,7 +3,7 @@ target generating the continuation of each held-out prompt.
 
 Per round: the drafter proposes γ tokens from the anchor (the newest committed token) and the target's
 features of every earlier position; the target scores [anchor, drafts] in one cached forward; the
-verifier (`dspark_runtime.verify`, the runtime's own) keeps a prefix and emits one more token.
+verifier (`dspark_common.verify`, the runtime's own) keeps a prefix and emits one more token.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dspark_calibration.metrics import auc, ece
 from dspark_export.drafters.block_drafter import block_draft
 from dspark_export.drafters.eagle3 import eagle3_draft
 from dspark_export.model import DecoderModel
-from dspark_runtime.verify import sample, verify_greedy, verify_sampled
+from dspark_common.verify import sample, verify_greedy, verify_sampled
 
 
 @dataclass

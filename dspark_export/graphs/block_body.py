@@ -17,7 +17,7 @@ from dspark_export.graphs.decoder import DecoderOps, rope_tables
 from dspark_export.graphs.sampler import Sampler
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.graph_io import GraphIO
 
 
 def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:

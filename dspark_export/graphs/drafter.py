@@ -1,5 +1,5 @@
 """Build `drafter.onnx` from a drafter's and the target's safetensors: the body its type names in `BODIES`,
-declared with that type's contract (`dspark_runtime.graph_io.DRAFTER_IO`), drafts drawn by inverse CDF from
+declared with that type's contract (`dspark_common.graph_io.DRAFTER_IO`), drafts drawn by inverse CDF from
 the `noise` input so the graph is deterministic given its inputs.
 """
 
@@ -19,7 +19,7 @@ from dspark_export.graphs.sampler import Sampler
 from dspark_export.graphs.weights import ExternalData, Reader, WeightFormat, Weights
 from dspark_export.interop import DrafterSource
 from dspark_plugins.builder import GraphBuilder
-from dspark_runtime.graph_io import drafter_io
+from dspark_common.graph_io import drafter_io
 
 # drafter type (the contract's `DRAFTER_TYPES`) -> the body that builds its graph
 BODIES: dict[str, Callable[..., None]] = {"dspark": block_body, "dflash": block_body, "eagle3": eagle3_body}

@@ -1,6 +1,6 @@
 """The EAGLE-3 baseline's `drafter.onnx` body: its whole autoregressive draft loop, unrolled γ steps in one graph.
 
-Inputs beyond the block drafters' (`dspark_runtime.graph_io`)
+Inputs beyond the block drafters' (`dspark_common.graph_io`)
     context_ids [C]    the token after each context position t (entry t holds x_{t+1} and the features of t)
     context_last [R]   index in C of each request's newest entry, t = anchor_pos - 1 (every request brings at
                        least one new entry; the runtime's steps commit at least one token per request)
@@ -20,7 +20,7 @@ from dspark_export.graphs.decoder import DecoderOps, rope_tables
 from dspark_export.graphs.sampler import Sampler
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
-from dspark_runtime.graph_io import GraphIO
+from dspark_common.graph_io import GraphIO
 
 
 def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:

@@ -11,8 +11,8 @@ from onnx import TensorProto, ValueInfoProto, helper
 from dspark_export.graphs.weights import ONNX_DTYPES
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import opset_imports, varlen_attention_function
-from dspark_runtime.engine_dir import FORMAT_VERSION
-from dspark_runtime.graph_io import GraphIO, Tensor
+from dspark_common.engine_dir import FORMAT_VERSION
+from dspark_common.graph_io import GraphIO, Tensor
 
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's fused kernels (MatMulNBits, GroupQueryAttention, ...)
 

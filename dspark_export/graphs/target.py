@@ -1,7 +1,7 @@
 """Build `target.onnx` straight from a checkpoint (onnx + numpy only, no torch).
 
 One step over a flattened token batch: prefill chunks and verification of several requests mixed. Its
-inputs and outputs are the contract's (`dspark_runtime.graph_io`). Two lowerings of the same model:
+inputs and outputs are the contract's (`dspark_common.graph_io`). Two lowerings of the same model:
 
 - `portable` (TensorRT): attention is the `DSparkVarlenAttention` op, which TensorRT maps to its plugin; the
   new K/V of every token come out for the runtime to commit at (slot, pos);
@@ -32,7 +32,7 @@ from dspark_export.graphs.model_file import write_model
 from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, WeightFormat, Weights
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
-from dspark_runtime.graph_io import target_io
+from dspark_common.graph_io import target_io
 
 LOWERINGS = ("portable", "ort")
 

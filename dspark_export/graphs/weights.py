@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
 ONNX_DTYPES = {

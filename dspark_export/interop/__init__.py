@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dspark_export.checkpoint import Checkpoint, index_tensors
 from dspark_export.config import DecoderConfig
-from dspark_runtime.errors import CheckpointError, ConfigError, read_json_file
+from dspark_common.errors import CheckpointError, ConfigError, read_json_file
 from dspark_export.interop import deepspec, native, specforge, speculators, zlab
 from dspark_export.interop.source import DrafterSource, Target
 

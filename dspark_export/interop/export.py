@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dspark_export.checkpoint import Checkpoint, write_safetensors
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.interop.deepspec import HEAD_TYPES
 from dspark_export.interop.source import DrafterSource
 from dspark_export.staging import staged

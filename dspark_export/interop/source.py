@@ -17,7 +17,7 @@ import numpy as np
 from dspark_export.checkpoint import Checkpoint, TensorInfo, tensor_view
 from dspark_export.config import DecoderConfig
 from dspark_export.drafters.config import DrafterConfig
-from dspark_runtime.errors import CheckpointError, ConfigError
+from dspark_common.errors import CheckpointError, ConfigError
 
 INPUT_TABLES = ("embed_tokens.weight", "markov_head.markov_w1.weight")  # rows indexed by target token ids
 OUTPUT_TABLES = ("lm_head.weight", "markov_head.markov_w2.weight")  # rows score the drafted vocabulary

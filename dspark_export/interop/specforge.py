@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_export.checkpoint import TensorInfo
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.interop.source import DrafterSource, Target, check_geometry, imported
 
 DESCRIPTION = "SpecForge LlamaForCausalLMEagle3"

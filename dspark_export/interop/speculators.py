@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_export.checkpoint import TensorInfo
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.interop.deepspec import HEAD_TYPES
 from dspark_export.interop.source import DrafterSource, Target, check_geometry, imported
 from dspark_export.interop.specforge import DEFAULT_GAMMA, eagle3_layers

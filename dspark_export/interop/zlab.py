@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dspark_export.checkpoint import TensorInfo
 from dspark_export.drafters.config import default_feature_layers
-from dspark_runtime.errors import ConfigError
+from dspark_common.errors import ConfigError
 from dspark_export.interop.source import DrafterSource, Target, check_geometry, imported
 
 DESCRIPTION = "z-lab DFlashDraftModel"

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_runtime.randomness import ACCEPT, EMIT
+from dspark_common.randomness import ACCEPT, EMIT
 
 Uniform = Callable[[int, int], float]  # (offset among the verified positions, purpose) -> a uniform in (0, 1)
 

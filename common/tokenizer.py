@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dspark_runtime.errors import TokenizerError, read_json_file
+from dspark_common.errors import TokenizerError, read_json_file
 
 
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # Llama-3's template opens with {{ bos_token }}
@@ -159,7 +159,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def checked_text(text: str, what: str) -> str:
     """`text` if it is encodable text (no lone surrogates), else an InvalidRequestError naming `what`."""
-    from dspark_runtime.errors import InvalidRequestError
+    from dspark_common.errors import InvalidRequestError
 
     try:
         text.encode("utf-8")
@@ -172,7 +172,7 @@ def chat_messages(messages: list | tuple) -> list[dict[str, Any]]:
     """OpenAI chat messages as the template wants them: a role and a string content (a list of text parts, as
     OpenAI clients send, is joined; None is empty). OpenAI's `developer` role is the system role chat templates
     know. Anything else is an InvalidRequestError."""
-    from dspark_runtime.errors import InvalidRequestError
+    from dspark_common.errors import InvalidRequestError
 
     out = []
     for number, message in enumerate(messages):

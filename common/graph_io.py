@@ -19,7 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
-from dspark_runtime.errors import DSparkError
+from dspark_common.errors import DSparkError
 
 ACTIVATION = "activation"
 NUMPY_DTYPES = {"int64": np.dtype(np.int64), "int32": np.dtype(np.int32), "float32": np.dtype(np.float32),

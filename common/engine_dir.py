@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_runtime.engine_checks import EngineError, check_calibration, check_manifest, check_speed_curve
-from dspark_runtime.graph_io import GraphIO, drafter_io, target_io
+from dspark_common.engine_checks import EngineError, check_calibration, check_manifest, check_speed_curve
+from dspark_common.graph_io import GraphIO, drafter_io, target_io
 
 FORMAT_VERSION = 4  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
 # 3: the graph I/O contract (`graph_io`), γ named `gamma`, the attention op's `bidirectional` attribute

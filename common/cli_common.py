@@ -7,7 +7,7 @@ import os
 
 import click
 
-from dspark_runtime.errors import DSparkError
+from dspark_common.errors import DSparkError
 
 
 EXTRAS = {"torch": "export", "matplotlib": "export", "starlette": "serve", "uvicorn": "serve", "tensorrt": "trt",
@@ -43,7 +43,7 @@ def prompt_options(command):
 
     @functools.wraps(command)
     def with_rows(*args, prompts, limit, skip, **kwargs):
-        from dspark_runtime.prompts import demo_prompts_path, read_prompts
+        from dspark_common.prompts import demo_prompts_path, read_prompts
 
         return command(*args, rows=read_prompts(prompts or demo_prompts_path(), limit, skip), **kwargs)
 

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from dspark_runtime.errors import DSparkError
-from dspark_runtime.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES
+from dspark_common.errors import DSparkError
+from dspark_common.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES
 
 WEIGHTS = ("fp32", "fp16", "bf16", "int8", "int4")
 REBUILD = "rebuild the engine with `dspark-export build --force`"

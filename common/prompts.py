@@ -7,12 +7,12 @@ from collections import Counter
 from importlib import resources
 from pathlib import Path
 
-from dspark_runtime.errors import DSparkError
+from dspark_common.errors import DSparkError
 
 
 def demo_prompts_path() -> Path:
     """The bundled demo's held-out prompts (60 per domain), the default of every benchmark command."""
-    return Path(str(resources.files("dspark_runtime") / "assets" / "demo-prompts.jsonl"))
+    return Path(str(resources.files("dspark_common") / "assets" / "demo-prompts.jsonl"))
 
 
 def read_prompts(file: str | Path, per_domain: int | None = None, skip: int = 0) -> list[dict]:
