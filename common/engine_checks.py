@@ -13,7 +13,8 @@ from typing import Any, Callable
 from dspark_common.errors import DSparkError
 from dspark_common.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES
 
-WEIGHTS = ("fp32", "fp16", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4")  # how an engine stores its weights
+ENGINE_BACKENDS = ("ort", "trt")  # what an engine is built for: ONNX Runtime, TensorRT
 REBUILD = "rebuild the engine with `dspark-export build --force`"
 FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -43,15 +44,15 @@ MANIFEST_FIELDS: dict[str, Callable[[Any], bool]] = {
     "drafter": lambda v: v is None or isinstance(v, dict),
     "drafter_name": lambda v: v is None or isinstance(v, str),
     "dtype": _one_of(*ACTIVATION_DTYPES),
-    "backend": _one_of("ort", "trt"),
+    "backend": _one_of(*ENGINE_BACKENDS),
     "cache_slots": lambda v: _integer(v, 1),
     "max_context": lambda v: _integer(v, 2),
     "max_batch_tokens": lambda v: _integer(v, 1),
     "vocab_size": lambda v: _integer(v, 1),
     "eos_token_ids": lambda v: isinstance(v, list) and all(_integer(t) for t in v),
     "feature_layers": lambda v: isinstance(v, list) and all(_integer(t) for t in v),
-    "weights": _one_of(*WEIGHTS),
-    "drafter_weights": lambda v: v is None or v in WEIGHTS,
+    "weights": _one_of(*WEIGHT_FORMATS),
+    "drafter_weights": lambda v: v is None or v in WEIGHT_FORMATS,
     "attention": _one_of("varlen", "gqa"),
     "files": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),
     "sources": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),

@@ -34,10 +34,11 @@ from dspark_common.engine_dir import (
     weights_digest,
     write_manifest,
 )
+from dspark_common.engine_checks import ENGINE_BACKENDS
 from dspark_common.errors import DSparkError
 from dspark_common.tokenizer import ChatTokenizer
 
-BACKENDS = ("auto", "ort", "trt")
+BACKENDS = ("auto", *ENGINE_BACKENDS)  # auto: TensorRT where it is installed and a GPU is there, else ONNX Runtime
 
 
 def default_engine_dir(target_name: str, drafter_name: str | None) -> Path:
@@ -104,7 +105,7 @@ def with_gamma(source: DrafterSource | None, gamma: int) -> DrafterSource:
     return dataclasses.replace(source, config=dataclasses.replace(source.config, gamma=gamma))
 
 
-def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None,
+def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None, *,
                  backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
                  max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True,
                  weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,

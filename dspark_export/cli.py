@@ -7,6 +7,7 @@ import json
 
 import click
 
+from dspark_export.build import BACKENDS
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
@@ -343,7 +344,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
 @click.option(
     "--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache)."
 )
-@click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @engine_options
 @click.option(
     "--drafter-weights",
@@ -389,12 +390,12 @@ def build(
     from pathlib import Path
 
     from dspark_export.build import build_engine, default_engine_dir
-    from dspark_export.drafters.bundled import bundled_drafters, resolve_drafter
+    from dspark_export.drafters.bundled import default_drafter, resolve_drafter
     from dspark_export.presets import resolve_target
 
     spec = resolve_target(*default_to_demo(target, target_path))
-    if drafter is None and not no_drafter and spec.name == "demo" and "demo-dspark" in bundled_drafters():
-        drafter = "demo-dspark"
+    if drafter is None and not no_drafter:
+        drafter = default_drafter(spec.name)
     drafter_dir = None if no_drafter or drafter is None else resolve_drafter(drafter)
     drafter_name = None if drafter_dir is None else (drafter if drafter.startswith("demo-") else drafter_dir.name)
     out_dir = Path(out) if out else default_engine_dir(spec.name, drafter_name)
@@ -403,12 +404,12 @@ def build(
         out_dir,
         drafter_dir,
         drafter_name,
-        backend,
-        dtype,
-        cache_slots,
-        max_context,
-        max_batch_tokens,
-        force,
+        backend=backend,
+        dtype=dtype,
+        cache_slots=cache_slots,
+        max_context=max_context,
+        max_batch_tokens=max_batch_tokens,
+        force=force,
         weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
         drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
         kv_memory=parse_size(kv_memory, "--kv-memory"),

@@ -27,6 +27,9 @@ def engine_options(command):
     return click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))(command)
 
 
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with -p: the reply).")
+
+
 def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engine:
     """The engine a command runs, on the thread pool `shared_pool` says: ENGINE_DIR, or the bundled demo's, which the
     exporter builds on first use (the runtime's one call into the exporter)."""
@@ -123,7 +126,7 @@ Ctrl+C stops a reply; at an empty prompt it says how to quit."""
     help="off, fixed:K, sync or async (default: async once the engine is profiled, else fixed at γ).",
 )
 @click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
-@click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object.")
+@json_option
 def chat(
     engine_dir,
     prompt,
@@ -243,7 +246,7 @@ def _repl(session) -> None:
 @click.option(
     "--plot", type=click.Path(dir_okay=False), default=None, help="PNG of the throughput vs per-request speed frontier."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object only.")
+@json_option
 def bench(
     engine_dir,
     rows,
@@ -326,7 +329,7 @@ def profile(engine_dir, context, rounds, threads) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
 @click.option("--bias", is_flag=True, help="Also fit an offset per position (beyond the paper's STS; for greedy).")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json) -> None:
     """Fit Sequential Temperature Scaling on real verification rounds (calibration.json, calibration.png)."""
     from tqdm import tqdm

@@ -225,3 +225,10 @@ def test_a_tampered_engine_directory_is_one_clear_line(tmp_path, target, case):
         Engine.load(tmp_path / "e", OrtBackend(threads=1), profile=False)
     result = CliRunner().invoke(run_main, [str(tmp_path / "e"), "-p", "hi", "-n", "2"])
     assert result.exit_code == 1 and result.output.count("\n") == 1 and fragment.strip("'") in result.output
+
+
+def test_the_weight_formats_the_exporter_writes_are_those_engines_may_hold():
+    from dspark_common.engine_checks import WEIGHT_FORMATS
+    from dspark_export.graphs.weights import FLOAT_WEIGHTS, QUANTIZED_BITS
+
+    assert (*FLOAT_WEIGHTS, *QUANTIZED_BITS) == WEIGHT_FORMATS

@@ -13,10 +13,10 @@ def demo_engine() -> Path:
     """The folder of the demo's engine (demo target, demo-dspark drafter), built first when missing or stale, which
     a line on stderr announces."""
     from dspark_export.build import build_engine, default_engine_dir, source_digests
-    from dspark_export.drafters.bundled import bundled_drafters, bundled_root
+    from dspark_export.drafters.bundled import bundled_root, default_drafter
     from dspark_export.presets import demo_dir, resolve_target
 
-    drafter = "demo-dspark" if "demo-dspark" in bundled_drafters() else None
+    drafter = default_drafter("demo")
     drafter_dir = bundled_root() / drafter if drafter else None
     folder = default_engine_dir("demo", drafter)
     try:

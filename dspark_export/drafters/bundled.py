@@ -10,6 +10,7 @@ from dspark_common.errors import CheckpointError
 from dspark_export.presets import cached_snapshots, hf_cache_roots
 
 BUNDLED_PREFIX = "demo-"
+DEMO_DRAFTER = "demo-dspark"  # the demo's default drafter
 
 
 def bundled_root() -> Path:
@@ -19,6 +20,11 @@ def bundled_root() -> Path:
 def bundled_drafters() -> list[str]:
     root = bundled_root()
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+
+
+def default_drafter(target_name: str) -> str | None:
+    """The drafter a target gets unless told otherwise: demo-dspark for the demo (when installed), else none."""
+    return DEMO_DRAFTER if target_name == "demo" and DEMO_DRAFTER in bundled_drafters() else None
 
 
 def resolve_drafter(name_or_path: str) -> Path:

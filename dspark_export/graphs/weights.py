@@ -19,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
+from dspark_common.engine_checks import WEIGHT_FORMATS
 from dspark_common.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
@@ -34,7 +35,6 @@ ONNX_DTYPES = {
 ALIGN = 64
 FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-WEIGHT_FORMATS = tuple(FLOAT_WEIGHTS) + tuple(QUANTIZED_BITS)
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
 
