@@ -31,6 +31,19 @@ HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Conf
               "llama": ("LlamaConfig", "LlamaForCausalLM")}
 
 
+def randomized(model):
+    """`model` with random norm weights and biases, so that a wrong mapping cannot hide behind ones and zeros."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    return model
+
+
 def write_hf_checkpoint(folder: Path, seed: int = 0, max_shard_size: str | None = None, architecture: str = "qwen3",
                         **overrides) -> Path:
     """Save a randomly initialised `transformers` model of `architecture` (a model_type: qwen3, qwen2, llama; fp32)
@@ -39,13 +52,7 @@ def write_hf_checkpoint(folder: Path, seed: int = 0, max_shard_size: str | None 
     transformers = pytest.importorskip("transformers")
     config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[architecture])
     torch.manual_seed(seed)
-    model = model_class(config_class(**(TINY | overrides))).eval()
-    with torch.no_grad():  # random norms and biases, so that a wrong mapping cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                param.uniform_(-0.5, 0.5)
+    model = randomized(model_class(config_class(**(TINY | overrides))).eval())
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder

@@ -25,7 +25,8 @@ from dspark_export.presets import PRESETS, resolve_target  # noqa: E402
 from dspark_runtime import Engine, OrtBackend, SamplingParams  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
 from dspark_common.engine_dir import read_manifest  # noqa: E402
-from tests.conftest import TEXT, exact_joint, p_value, sample_pairs, write_curve, write_sequences  # noqa: E402
+from tests.conftest import (TEXT, exact_joint, p_value, randomized, sample_pairs, write_curve,  # noqa: E402
+                            write_sequences)
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -65,13 +66,7 @@ def stand_in(request, tmp_path_factory) -> Path:
     config = published(request.param) | SIZES
     hf_config = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():  # random norms and biases, so that a wrong mapping cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                param.uniform_(-0.5, 0.5)
+    model = randomized(transformers.AutoModelForCausalLM.from_config(hf_config).eval())
     model.save_pretrained(folder)
     sharpen(folder)
     (folder / "config.json").write_text(json.dumps(config, indent=2))  # the published layout, not transformers' own
@@ -86,6 +81,23 @@ def sharpen(folder: Path) -> None:
     tensors = load_file(folder / "model.safetensors")
     tensors["lm_head.weight"] *= LOGIT_SCALE
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def assert_lossless(engine_dir: Path) -> list[int]:
+    """Greedy `fixed:3` gives `off`'s tokens for every prompt, and pairs of sampled tokens follow the target's own
+    distribution (chi-square); returns each sampled request's verification rounds."""
+    write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    rounds: list[int] = []
+    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
+        prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+        for prompt in prompts:
+            assert engine.generate(prompt, greedy, spec="fixed:3").token_ids == \
+                engine.generate(prompt, greedy, spec="off").token_ids
+        counts = sample_pairs(engine, prompts[2], sampled, "fixed:3", rounds)
+    assert p_value(counts, exact_joint(engine_dir, prompts[2], sampled)) > 1e-3
+    return rounds
 
 
 def reference_greedy(folder: Path, prompt: list[int], count: int) -> tuple[list[int], np.ndarray]:
@@ -131,16 +143,7 @@ def test_a_trained_drafter_of_each_kind_builds_into_a_lossless_engine(stand_in, 
         str(tmp_path / "data.npz"), "--out", str(drafter), "--steps", "3", "--batch", "4", "--anchors", "4",
         "--threads", "1")
     cli("build", "--target-path", str(stand_in), "--drafter", str(drafter), "--out", str(engine_dir))
-    write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
-        prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
-        for prompt in prompts:
-            off = engine.generate(prompt, greedy, spec="off").token_ids
-            assert engine.generate(prompt, greedy, spec="fixed:3").token_ids == off
-        assert p_value(sample_pairs(engine, prompts[1], sampled, "fixed:3"), exact_joint(engine_dir, prompts[1],
-                                                                                          sampled)) > 1e-3
+    assert_lossless(engine_dir)
 
 
 @pytest.mark.parametrize("layout", ["specforge", "speculators"])
@@ -173,15 +176,4 @@ def test_an_eagle3_drafter_for_a_llama_target_builds_and_is_lossless(tmp_path, l
     engine_dir = tmp_path / "engine"
     cli("build", "--target-path", str(target), "--drafter", str(drafter), "--out", str(engine_dir), "--max-context",
         "64")
-    write_curve(engine_dir, [0.001] * 256, [0.001] * 8)
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
-        prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
-        for prompt in prompts:
-            assert engine.generate(prompt, greedy, spec="fixed:3").token_ids == \
-                engine.generate(prompt, greedy, spec="off").token_ids
-        rounds: list[int] = []
-        counts = sample_pairs(engine, prompts[2], sampled, "fixed:3", rounds)
-    assert sum(rounds) > 0.5 * SAMPLES  # the drafts were verified
-    assert p_value(counts, exact_joint(engine_dir, prompts[2], sampled)) > 1e-3
+    assert sum(assert_lossless(engine_dir)) > 0.5 * SAMPLES  # the drafts were verified
