@@ -330,9 +330,18 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
         results.append(result)
     if plot:
         plot_acceptance(results, plot)
-    click.echo(
-        json_module.dumps(results[0] if len(results) == 1 else {"results": results}, indent=None if as_json else 2)
-    )
+    report = results[0] if len(results) == 1 else {"results": results}
+    click.echo(json_module.dumps(without_nan(report), indent=None if as_json else 2))
+
+
+def without_nan(value):
+    """`value` with NaN (a figure nothing measured, e.g. acceptance at a position no draft reached) as null, so that
+    the output is standard JSON."""
+    if isinstance(value, dict):
+        return {key: without_nan(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [without_nan(item) for item in value]
+    return None if isinstance(value, float) and value != value else value
 
 
 @main.command()

@@ -136,12 +136,15 @@ def test_torch_model_and_engine_generate_what_transformers_does(stand_in, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_a_trained_drafter_of_each_kind_builds_into_a_lossless_engine(stand_in, tmp_path, kind):
+def test_a_trained_drafter_of_each_kind_evaluates_and_builds_into_a_lossless_engine(stand_in, tmp_path, kind):
     write_sequences(tmp_path / "data.npz")
     drafter, engine_dir = tmp_path / "drafter", tmp_path / "engine"
     cli("train", "--target-path", str(stand_in), "--drafter-type", kind, "--gamma", "3", "--data",
         str(tmp_path / "data.npz"), "--out", str(drafter), "--steps", "3", "--batch", "4", "--anchors", "4",
         "--threads", "1")
+    report = json.loads(cli("eval", "--target-path", str(stand_in), "--drafter", str(drafter), "--limit", "1",
+                            "--max-new", "12", "--temperature", "0", "--json"), parse_constant=pytest.fail)
+    assert report["rounds"] > 0 and 1.0 <= report["tau"] <= 4.0  # the torch evaluator ran speculative rounds
     cli("build", "--target-path", str(stand_in), "--drafter", str(drafter), "--out", str(engine_dir))
     assert_lossless(engine_dir)
 
