@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_common.engine_checks import EngineError, check_calibration, check_manifest, check_speed_curve
+from dspark_common.engine_checks import REBUILD, EngineError, check_calibration, check_manifest, check_speed_curve
+from dspark_common.errors import read_json_file
 from dspark_common.graph_io import GraphIO, drafter_io, target_io
 
 FORMAT_VERSION = 4  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
@@ -104,8 +105,8 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
         raise EngineError(
             f"{folder} is not a DSpark engine directory (no {MANIFEST}); build one with `dspark-export build`"
         )
-    raw = read_json(file, "rebuild the engine with `dspark-export build --force`")
-    if isinstance(raw, dict) and raw.get("format_version") != FORMAT_VERSION:
+    raw = read_json_file(file, EngineError, REBUILD)
+    if raw.get("format_version") != FORMAT_VERSION:
         raise EngineError(
             f"{folder} has engine format {raw.get('format_version')!r}, this DSpark reads {FORMAT_VERSION}; rebuild it"
         )
@@ -122,20 +123,12 @@ def read_manifest(folder: str | Path, verify: bool = True) -> Manifest:
     return manifest
 
 
-def read_json(file: Path, remedy: str) -> Any:
-    """A JSON file's value, or one EngineError line naming the file and the `remedy`."""
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError, OSError) as exc:  # bad JSON or UTF-8, unreadable
-        raise EngineError(f"{file} is corrupt ({str(exc)[:80]}); {remedy}") from None
-
-
 def read_speed_curve(folder: Path, manifest: Manifest) -> dict | None:
     """hardware_curve.json (None before profiling), checked."""
     file = folder / HARDWARE_CURVE
     if not file.is_file():
         return None
-    data = read_json(file, "measure it again with `dspark-run profile`")
+    data = read_json_file(file, EngineError, "measure it again with `dspark-run profile`")
     return check_speed_curve(data, folder, manifest.cache_slots, manifest.drafter is not None)
 
 
@@ -145,7 +138,8 @@ def read_calibration(folder: Path, gamma: int) -> dict[float, dict]:
     file = folder / CALIBRATION
     if not file.is_file():
         return {}
-    return check_calibration(read_json(file, "fit it again with `dspark-run calibrate`"), folder, gamma)
+    data = read_json_file(file, EngineError, "fit it again with `dspark-run calibrate`")
+    return check_calibration(data, folder, gamma)
 
 
 def sts_by_temperature(reports: dict[float, dict]) -> dict[float, tuple[np.ndarray, np.ndarray]]:

@@ -29,14 +29,16 @@ class CheckpointError(DSparkError):
     """A checkpoint that is missing, incomplete, corrupt or does not match its configuration."""
 
 
-def read_json_file(file: Path, error: type[DSparkError] = DSparkError) -> dict:
-    """A JSON object from `file`, or `error` saying the file is missing or not valid JSON."""
+def read_json_file(file: Path, error: type[DSparkError] = DSparkError, remedy: str | None = None) -> dict:
+    """A JSON object from `file`, or one `error` line naming the file, what is wrong with it and (given) the remedy:
+    the one JSON reader of configs, manifests and the files profiling and calibration write."""
+    tail = f"; {remedy}" if remedy else ""
     if not file.is_file():
-        raise error(f"no {file.name} in {file.parent}")
+        raise error(f"no {file.name} in {file.parent}{tail}")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{file} is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError, OSError) as exc:  # bad JSON or UTF-8, too deep, unreadable
+        raise error(f"{file} is corrupt (not valid JSON: {str(exc)[:80]}){tail}") from None
     if not isinstance(value, dict):
-        raise error(f"{file} does not hold a JSON object")
+        raise error(f"{file} is corrupt (not a JSON object){tail}")
     return value

@@ -23,12 +23,12 @@ from dspark_common.engine_dir import (
     EngineError,
     Manifest,
     read_calibration,
-    read_json,
     read_manifest,
     read_speed_curve,
     sts_by_temperature,
 )
-from dspark_common.errors import DSparkError, InvalidRequestError
+from dspark_common.engine_checks import REBUILD
+from dspark_common.errors import DSparkError, InvalidRequestError, read_json_file
 from dspark_runtime.output import Delta, OutputState
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.runner import Backend, GraphRunner
@@ -341,8 +341,7 @@ class Engine:
     def generation_defaults(self) -> dict:
         """Sampling defaults from the model's generation_config.json (temperature, top_k, top_p, min_p)."""
         file = self.folder / "generation_config.json"
-        config = read_json(file, "rebuild the engine with `dspark-export build --force`") if file.is_file() else {}
-        config = config if isinstance(config, dict) else {}
+        config = read_json_file(file, EngineError, REBUILD) if file.is_file() else {}
         if config.get("do_sample") is False:
             return {"temperature": 0.0}
         return {key: config[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in config}
