@@ -1,11 +1,11 @@
-"""A random-weight Qwen3 checkpoint with a published size's exact shapes, for timing at real size.
+"""A random-weight checkpoint with a preset's exact shapes (Qwen3, Qwen2.5, Llama-3.x), for timing at real size.
 
     python scripts/random_checkpoint.py --target qwen3-1.7b --out build/random/qwen3-1.7b
 
 Hugging Face layout (config.json, bf16 safetensors shards of at most --shard-gib with their index, and the demo's
 tokenizer, whose ids all lie inside the model's vocabulary). Each tensor is drawn and written in slices of rows,
 so the checkpoint is never held in memory (an 8B one needs about 16 GB of disk and a few hundred MB of RAM).
-Weights ~ N(0, 0.02), norms 1: the model's outputs are meaningless, its costs are real. Never commit one.
+Weights and biases ~ N(0, 0.02), norms 1: the model's outputs are meaningless, its costs are real. Never commit one.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], rng: np.random.G
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--target", required=True, help="a preset: qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b"
+        "--target", required=True, help="a preset (dspark_export.presets.PRESETS), e.g. qwen3-1.7b, llama-3.2-1b"
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shard-gib", type=float, default=2.0)
