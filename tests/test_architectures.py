@@ -180,3 +180,31 @@ def test_an_eagle3_drafter_for_a_llama_target_builds_and_is_lossless(tmp_path, l
     cli("build", "--target-path", str(target), "--drafter", str(drafter), "--out", str(engine_dir), "--max-context",
         "64")
     assert sum(assert_lossless(engine_dir)) > 0.5 * SAMPLES  # the drafts were verified
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b"])
+def test_a_preset_and_its_checkpoint_folder_resolve_together(name, tmp_path):
+    """`--target NAME --target-path DIR` with the published config.json and a checkpoint of the full size (a sparse
+    file: every tensor where its header says, no bytes written) passes every check before the weights are read."""
+    import struct
+
+    from dspark_export.checkpoint import expected_shapes
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(published(name)))
+    header, offset = {}, 0
+    for tensor, shape in expected_shapes(PRESETS[name][1]).items():
+        size = 2 * int(np.prod(shape))
+        header[tensor] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    with (folder / "model.safetensors").open("wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)) + blob)
+        handle.truncate(8 + len(blob) + offset)
+    output = cli("inspect", "--target", name, "--target-path", str(folder), "--weights", "int4")
+    assert f"weights      {folder}" in output and "dtype        bfloat16" in output
+    tiny = published(name) | SIZES
+    (folder / "config.json").write_text(json.dumps(tiny))
+    result = CliRunner().invoke(main, ["build", "--target", name, "--target-path", str(folder)])
+    assert result.exit_code == 1 and f"does not match --target {name}" in result.output
