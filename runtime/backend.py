@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,10 +150,10 @@ class OrtBackend:
         return self.threads or os.cpu_count() or 1
 
     def open(self, folder: Path, manifest: Manifest) -> tuple[OrtRunner, OrtRunner | None]:
-        """(target, drafter) runners of an engine directory."""
-        if manifest.backend == "trt":
-            raise MissingDependencyError("the runtime cannot run TensorRT engines yet; build an ONNX Runtime engine "
-                                         "(dspark-export build --backend ort)")
+        """(target, drafter) runners of an engine directory (a TensorRT-built one too, said on stderr)."""
+        if manifest.backend == "trt":  # its graphs are the portable lowering, which ONNX Runtime runs too
+            print(f"{folder.name} was built for TensorRT, which the runtime cannot run yet: running its ONNX graphs on "
+                  "ONNX Runtime (slower)", file=sys.stderr)
         providers = list(self.providers)
         if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in available_providers():
             raise MissingDependencyError(
