@@ -149,3 +149,14 @@ def test_an_engine_whose_graph_drifted_from_the_contract_is_refused(tmp_path, ta
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="target.onnx has 'features' of shape .* rebuild the engine"):
         Engine.load(folder, OrtBackend(threads=1), profile=False)
+
+
+def test_an_engine_built_for_tensorrt_runs_its_onnx_graphs_on_onnx_runtime(tmp_path, target, capsys):
+    """No TensorRT runner exists: ONNX Runtime runs such an engine's graphs, and loading says so."""
+    folder = build_engine(resolve_target(None, target), tmp_path / "engine", cache_slots=2, show_progress=False)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"backend": "trt"}))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
+        assert len(engine.generate("Hello", greedy).token_ids) == 6
+    assert "built for TensorRT" in capsys.readouterr().err
