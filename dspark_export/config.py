@@ -37,6 +37,14 @@ ARCHITECTURES = {
 }
 
 
+def architecture_of(model_type: str | None) -> Architecture:
+    """The architecture a config.json's `model_type` names, or one line saying which DSpark supports."""
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture: model_type {model_type!r} "
+                          f"(DSpark supports {', '.join(map(repr, ARCHITECTURES))})")
+    return ARCHITECTURES[model_type]
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """The numbers that define a decoder (names as in Hugging Face's configs)."""
@@ -61,9 +69,7 @@ class DecoderConfig:
     model_type: str = "qwen3"  # a key of ARCHITECTURES
 
     def __post_init__(self) -> None:
-        if self.model_type not in ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture: model_type {self.model_type!r} "
-                              f"(DSpark supports {', '.join(map(repr, ARCHITECTURES))})")
+        architecture_of(self.model_type)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -80,7 +86,7 @@ class DecoderConfig:
 
     @property
     def architecture(self) -> Architecture:
-        return ARCHITECTURES[self.model_type]
+        return architecture_of(self.model_type)
 
     @property
     def qk_norm(self) -> bool:
@@ -169,10 +175,7 @@ class DecoderConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> "DecoderConfig":
         """Read a Hugging Face `config.json` (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         model_type = raw.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture: model_type {model_type!r} "
-                              f"(DSpark supports {', '.join(map(repr, ARCHITECTURES))})")
-        name = ARCHITECTURES[model_type].hf_class.removesuffix("ForCausalLM")
+        name = architecture_of(model_type).hf_class.removesuffix("ForCausalLM")
         if model_type != "qwen2" and raw.get("attention_bias"):  # Qwen2's biases are q/k/v only and always there
             raise ConfigError(f"unsupported {name} variant: attention_bias=true")
         for flag in ("mlp_bias", "use_sliding_window"):
