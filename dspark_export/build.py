@@ -82,8 +82,7 @@ def check_options(config: DecoderConfig, backend: str, dtype: str, weights: Weig
             f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8 or int4"
         )
     if weights.bits:
-        widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
-        bad = [w for w in widths if w % weights.block_size]
+        bad = [w for w in config.input_widths() if w % weights.block_size]
         if bad:
             raise DSparkError(f"--quant-block-size {weights.block_size} does not divide the input width {bad[0]}")
 
@@ -116,7 +115,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
     `draft_vocab.default_size` where the drafter's or target's folder holds token counts)."""
     backend = resolve_backend(backend)
-    weights = weights or float_weights(dtype)
+    weights = (weights or float_weights(dtype)).for_widths(spec.config.input_widths())
+    drafter_weights = drafter_weights and drafter_weights.for_widths(spec.config.input_widths())
     check_options(spec.config, backend, dtype, weights, drafter_weights)
     drafter_weights = drafter_weights or default_drafter_weights(backend, weights)
     out = Path(out)

@@ -119,6 +119,10 @@ class DecoderConfig:
         vectors = 2 * h + (2 * d if self.qk_norm else 0) + (q + 2 * kv if self.qkv_bias else 0)
         return matrices, self.num_hidden_layers * vectors + h
 
+    def input_widths(self) -> tuple[int, int, int]:
+        """The widths the projections read (hidden size first): what a quantization block must divide."""
+        return self.hidden_size, self.intermediate_size, self.num_attention_heads * self.head_dim
+
     def num_parameters(self) -> int:
         """Parameter count of the checkpoint (the tied LM head counted once)."""
         return sum(self.parameter_counts())

@@ -25,7 +25,7 @@ def run_mode(engine: Engine, rows: list[dict], params: SamplingParams, spec: str
 def run_interleaved(engine: Engine, rows: list[dict], params: SamplingParams, modes: list[str]) -> list[dict]:
     """One request at a time, every mode on a prompt before the next prompt (the order rotating), so that the
     machine's drift lands on all modes alike; one figure per mode, as `run_mode` gives it."""
-    parts = {mode: ([], 0.0, dict.fromkeys(engine.step_seconds(), 0.0)) for mode in modes}
+    parts = {mode: ([], 0.0, dict.fromkeys(_counters(engine), 0.0)) for mode in modes}
     for index, row in enumerate(rows):
         shift = index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
@@ -37,7 +37,8 @@ def run_interleaved(engine: Engine, rows: list[dict], params: SamplingParams, mo
 
 def _run(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, concurrency: int,
          first_seed: int = 0) -> tuple[list, float, dict[str, float]]:
-    """(completions, wall seconds, step-loop seconds by part) of the prompts with at most `concurrency` in flight."""
+    """(completions, wall seconds, step-loop seconds by part and the gate's decisions) of the prompts with at most
+    `concurrency` in flight."""
     gate = threading.Semaphore(concurrency)
     results: list = [None] * len(rows)
 
@@ -50,7 +51,7 @@ def _run(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, co
             gate.release()
 
     threads = []
-    before = engine.step_seconds()
+    before = _counters(engine)
     started = time.perf_counter()
     for index in range(len(rows)):
         gate.acquire()
@@ -60,7 +61,12 @@ def _run(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, co
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    return results, elapsed, {part: seconds - before[part] for part, seconds in engine.step_seconds().items()}
+    return results, elapsed, {part: value - before[part] for part, value in _counters(engine).items()}
+
+
+def _counters(engine: Engine) -> dict[str, float]:
+    """The step loop's seconds by part and the draft gate's decisions (`gate_draft`, `gate_probe`, `gate_plain`)."""
+    return engine.step_seconds() | {f"gate_{kind}": float(n) for kind, n in engine.gate_steps().items()}
 
 
 def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: dict[str, float]) -> dict:
@@ -83,6 +89,7 @@ def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: 
         "scheduler_share_of_step_time": share["schedule"],
         "target_share_of_step_time": share["target"],
         "drafter_share_of_step_time": share["drafter"],
+        "gate_steps": {kind: int(spent[f"gate_{kind}"]) for kind in ("draft", "probe", "plain")},
     }
 
 
@@ -125,6 +132,7 @@ def _median_of(runs: list[dict]) -> dict:
     merged = {key: (float(np.median([r[key] for r in runs])) if isinstance(value, float) else value)
               for key, value in runs[0].items()}
     merged["ratio_to_off_by_round"] = [r["ratio_to_off"] for r in runs]
+    merged["gate_steps"] = {kind: sum(r["gate_steps"][kind] for r in runs) for kind in runs[0]["gate_steps"]}
     return merged
 
 

@@ -60,7 +60,7 @@ class EngineCore:
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
-        self.last_survival: dict[float, np.ndarray] = {}  # by sampling temperature: the newest request's survivals
+        self.gate_steps = Counter(draft=0, probe=0, plain=0)  # the gate's decisions for sync/async steps
         self.round_log: list[tuple[int, np.ndarray, int]] | None = (
             None  # (request id, confidence logits, accepted) when recording
         )
@@ -152,28 +152,31 @@ class EngineCore:
         return prefix_survival(logits[None], scales, offsets)[0]
 
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
-        """The requests to draft for: none when only `sync`/`async` requests remain and the gate says drafting
-        would not pay (their drafts are dropped, so the next step verifies nothing and runs no drafter)."""
+        """The requests to draft for: all of them while a `fixed:K` request is among them (it pays for the drafter
+        call anyway), when the `sync`/`async` requests' survivals say drafting pays, or when one of them is due to
+        look again (`Probes`); else none (their drafts are dropped, so the next step verifies nothing and runs no
+        drafter)."""
         scheduled = [s for s in sequences if s.spec.kind in ("sync", "async")]
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
-            return sequences  # a fixed:K request pays for the drafter call anyway
+            return sequences
         if self.gate.can_pay(len(scheduled)):
-            survivals = tuple(self._prior(s, scheduled) if s.survival is None else s.survival for s in scheduled)
-            unread = sum(s.target_len - s.drafter_len for s in scheduled)
-            remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
-            if self.gate.worth_drafting(survivals, unread, remaining):
+            if all(s.survival is not None for s in scheduled):
+                unread = sum(s.target_len - s.drafter_len for s in scheduled)
+                remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
+                if self.gate.worth_drafting(tuple(s.survival for s in scheduled), unread, remaining):
+                    for s in scheduled:
+                        s.probes.paid()
+                    self.gate_steps["draft"] += 1
+                    return sequences
+            if any(len(s.generated) >= s.probes.due for s in scheduled):
+                for s in scheduled:  # the call refreshes every request's survivals
+                    s.probes.looked(len(s.generated))
+                self.gate_steps["probe"] += 1
                 return sequences
         for s in scheduled:
             s.drafts = s.draft_probs = s.confidence_logits = None
+        self.gate_steps["plain"] += 1
         return []
-
-    def _prior(self, s: Sequence, scheduled: list[Sequence]) -> np.ndarray:
-        """A new request's survivals: the last ones at its temperature, else the others' mean, else all ones."""
-        last = self.last_survival.get(s.params.temperature)
-        if last is not None:
-            return last
-        known = [other.survival for other in scheduled if other.survival is not None]
-        return np.mean(known, axis=0) if known else np.ones(self.gamma)
 
     def _target_batch(self, lengths: dict[int, int]) -> tuple[list[_Row], TargetBatch]:
         ids, slots, positions, logit_index, rows = [], [], [], [], []
@@ -299,8 +302,7 @@ class EngineCore:
             s.drafts = outputs["draft_tokens"][index]
             s.draft_probs = outputs["draft_probs"][index]
             s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
-            s.survival = self.last_survival[s.params.temperature] = self._survival(s.confidence_logits,
-                                                                                     s.params.temperature)
+            s.survival = self._survival(s.confidence_logits, s.params.temperature)
             s.drafter_len = s.target_len
             s.pending_features = []
 

@@ -220,6 +220,11 @@ class Engine:
         """Seconds spent so far in steps, and in their parts: "schedule", "target", "drafter"."""
         return dict(self.core.seconds)
 
+    def gate_steps(self) -> dict[str, int]:
+        """The draft gate's decisions so far for steps of `sync`/`async` requests: "draft" (their survivals say it
+        pays), "probe" (a request looks again) and "plain" (nothing drafted)."""
+        return dict(self.core.gate_steps)
+
     def status(self) -> dict[str, int]:
         """Requests running and queued, and cache slots free (all of them when idle)."""
         with self._lock:

@@ -136,26 +136,25 @@ class AsyncScheduler:
 
 
 class DraftGate:
-    """Whether the next step drafts at all for `sync`/`async` requests, so that where drafting does not pay they
-    cost no more than `off` plus a bounded share.
+    """Whether the next step drafts at all for `sync`/`async` requests, so that they take the drafter's win where
+    it pays and cost no more than `off` plus a bounded share where it does not.
 
-    SPS(B; R) charges every speculative step the drafter's t_draft(R), while a step with nothing drafted costs
-    only t_target(R). Four rules, all priced from the measured curve and decided from finished steps only (so
+    SPS(B; R) charges every speculative step the drafter's t_draft(R), while a step with nothing drafted costs only
+    t_target(R). Three rules, all priced from the measured curve and decided from finished steps only (so
     verification stays lossless):
-    - the load: where even drafts that are always accepted cannot beat plain steps at R requests (the drafter
-      and the longer verification cost more than γ sure tokens save), nothing is drafted and nothing probed;
+    - the load: where even drafts that are always accepted cannot beat plain steps at R requests (the drafter and
+      the longer verification cost more than γ sure tokens save), nothing is drafted and nothing probed;
     - the survivals: drafting pays when the best expected throughput of the greedy path over each request's
-      latest prefix survivals (searched globally, as for `async`) beats R·SPS_plain(R);
-    - the catch-up: a drafter that has not read the last n target positions must read them first; that one-off
-      cost is paid when the time drafting saves over the requests' remaining tokens exceeds it;
-    - probes: while the survivals say no, a probe (one drafter call, so that they stay current) is paid from
-      a budget of `probe_share` of the plain steps' time, each probe priced at its drafter call (catch-up
-      included) plus the longer verification it brings. Probes cost at most that share of the time.
+      latest prefix survivals (searched globally, as for `async`) beats R·SPS_plain(R), and the time it saves over
+      the requests' remaining tokens repays the catch-up (a drafter that skipped n target positions reads them
+      first);
+    - probes: each request looks for itself (`Probes`): its first decoding step drafts, and while its survivals
+      say no it drafts again after a number of tokens that doubles with every no, so a request whose drafts do
+      not pay spends a shrinking share of its time on them and none stays shut for good.
     """
 
-    def __init__(self, curve: SpeedCurve, cap: int | None = None, probe_share: float = 0.005):
-        self.curve, self.cap, self.probe_share = curve, cap, probe_share
-        self.credit = 0.0  # seconds of probing the budget allows now
+    def __init__(self, curve: SpeedCurve, cap: int | None = None):
+        self.curve, self.cap = curve, cap
         self.declined: tuple[np.ndarray, ...] | None = None  # the survivals drafting last lost with
         self.costs: dict[int, _LoadCosts] = {}  # by request count
 
@@ -164,9 +163,7 @@ class DraftGate:
         if costs is None:
             curve, plain = self.curve, requests * self.curve.plain_steps_per_second(requests)
             sure = np.ones((requests, self.cap or len(curve.target_seconds)))
-            longer = curve.target_time(2 * requests) - curve.target_time(requests)
-            costs = self.costs[requests] = _LoadCosts(plain, path_throughputs(sure, curve, self.cap).max() > plain,
-                                                      curve.draft_time(requests) + longer)
+            costs = self.costs[requests] = _LoadCosts(plain, path_throughputs(sure, curve, self.cap).max() > plain)
         return costs
 
     def can_pay(self, requests: int) -> bool:
@@ -182,29 +179,43 @@ class DraftGate:
         costs = self._costs(requests)
         if not costs.can_pay:
             return False
-        catch_up = self.curve.catch_up(requests, context_rows)
         # the same survivals that lost before lose again: the catch-up only grows while nothing is drafted
         declined = self.declined
-        same = declined is not None and len(declined) == requests and all(a is b for a, b in zip(declined, survivals))
-        if not same:
-            steady = path_throughputs(np.stack(survivals), self.curve, self.cap).max()
-            if steady > costs.plain and remaining * (1 / costs.plain - 1 / steady) >= catch_up:
-                self.declined = None
-                return True
-            self.declined = tuple(survivals)
-        probe = costs.probe + catch_up
-        self.credit = min(self.credit + self.probe_share * requests / costs.plain, probe)
-        if self.credit < probe:
+        if declined is not None and len(declined) == requests and all(a is b for a, b in zip(declined, survivals)):
             return False
-        self.credit -= probe
-        return True  # a probe
+        steady = path_throughputs(np.stack(survivals), self.curve, self.cap).max()
+        catch_up = self.curve.catch_up(requests, context_rows)
+        if steady > costs.plain and remaining * (1 / costs.plain - 1 / steady) >= catch_up:
+            self.declined = None
+            return True
+        self.declined = tuple(survivals)
+        return False
+
+
+@dataclass
+class Probes:
+    """When a request whose survivals say no drafts again to look (a probe): at `due` generated tokens, then after
+    `interval` more, the interval doubling with every no (from `FIRST`, at most `LONGEST`) and back to `FIRST`
+    once drafting pays. A new request looks at once (`due` 0)."""
+
+    FIRST = 16
+    LONGEST = 512
+
+    due: int = 0
+    interval: int = FIRST
+
+    def looked(self, generated: int) -> None:
+        """A probe ran at `generated` tokens: the next one waits `interval` tokens, and the one after twice that."""
+        self.due = generated + self.interval
+        self.interval = min(2 * self.interval, self.LONGEST)
+
+    def paid(self) -> None:
+        self.interval = self.FIRST
 
 
 @dataclass(frozen=True)
 class _LoadCosts:
-    """What the gate prices at one request count: plain steps' throughput, whether sure drafts would beat it, and a
-    probe's cost before catch-up (its drafter call and the longer verification it brings)."""
+    """What the gate prices at one request count: plain steps' throughput, and whether sure drafts would beat it."""
 
     plain: float
     can_pay: bool
-    probe: float

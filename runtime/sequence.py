@@ -10,6 +10,7 @@ import numpy as np
 
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
+from dspark_runtime.scheduler import Probes
 from dspark_runtime.spec_mode import SpecMode
 
 
@@ -71,6 +72,7 @@ class Sequence:
     draft_probs: np.ndarray | None = None  # [γ, V]
     confidence_logits: np.ndarray | None = None  # [γ]
     survival: np.ndarray | None = None  # [γ] calibrated prefix survival of the latest drafts (kept while not drafting)
+    probes: Probes = field(default_factory=Probes)  # when the draft gate looks again (sync/async)
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)

@@ -232,3 +232,13 @@ def test_the_weight_formats_the_exporter_writes_are_those_engines_may_hold():
     from dspark_export.graphs.weights import FLOAT_WEIGHTS, QUANTIZED_BITS
 
     assert (*FLOAT_WEIGHTS, *QUANTIZED_BITS) == WEIGHT_FORMATS
+
+
+def test_real_size_models_default_to_blocks_of_128_and_small_ones_to_32():
+    from dspark_export.graphs.weights import WeightFormat
+
+    qwen3_1_7b, demo, odd = (2048, 6144, 2048), (384, 1152, 384), (2048, 6000, 2048)
+    assert WeightFormat("int4").for_widths(qwen3_1_7b).block_size == 128
+    assert WeightFormat("int4").for_widths(demo).block_size == 32
+    assert WeightFormat("int4").for_widths(odd).block_size == 32  # 128 does not divide 6000
+    assert WeightFormat("int4", 64).for_widths(qwen3_1_7b).block_size == 64  # chosen: kept

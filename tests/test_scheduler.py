@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduler import (AsyncScheduler, DraftGate, SpeedCurve, candidates, capacity, path_throughputs,
-                                      schedule_sync, schedule_top_k)
+from dspark_runtime.scheduler import (AsyncScheduler, DraftGate, Probes, SpeedCurve, candidates, capacity,
+                                      path_throughputs, schedule_sync, schedule_top_k)
 from dspark_common.verify import verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -56,20 +56,30 @@ def test_async_uses_capacity_from_two_steps_earlier():
     assert scheduler.schedule(confident).sum() == capacity(hopeless, curve)
 
 
-def test_gate_drafts_only_when_drafting_pays_and_bounds_what_probes_cost():
+def test_gate_drafts_only_when_drafting_pays():
     survival = np.cumprod(np.full((2, 3), 0.8), axis=1)  # a = .8, .64, .512 for each of two requests
     target = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # flat: verifying is free
     # Θ with all six drafts: (2 + 2·1.952) / (t_draft + 1); without drafting: 2 / 1
     assert path_throughputs(survival, SpeedCurve(target, np.array([1.0, 1.0]))).max() == pytest.approx(5.904 / 2)
     assert DraftGate(SpeedCurve(target, np.array([1.0, 1.0]))).worth_drafting(survival)
-    # 5.904 / 3 < 2 loses; sure drafts would win (8 / 3 > 2), so the gate probes, each probe priced at its drafter
-    # call (2) and the longer verification (t(4) - t(2) = 0), paid from 10% of the plain steps' time (0.1 a step)
-    costly = DraftGate(SpeedCurve(target, np.array([2.0, 2.0])), probe_share=0.1)
-    decisions = [costly.worth_drafting(survival) for _ in range(60)]
-    assert [i for i, probe in enumerate(decisions) if probe] == [19, 39, 59]
-    # a drafter that costs more than γ sure tokens save at this load: never drafted, never probed
-    hopeless = DraftGate(SpeedCurve(target, np.array([9.0, 9.0])), probe_share=0.1)
-    assert not any(hopeless.worth_drafting(np.ones((2, 3))) for _ in range(100))
+    # 5.904 / 3 < 2 loses, asked again with the same survivals too; sure drafts would win (8 / 3 > 2)
+    costly = DraftGate(SpeedCurve(target, np.array([2.0, 2.0])))
+    assert costly.can_pay(2) and not any(costly.worth_drafting(tuple(survival)) for _ in range(3))
+    # a drafter that costs more than γ sure tokens save at this load: never worth it, whatever the survivals
+    hopeless = DraftGate(SpeedCurve(target, np.array([9.0, 9.0])))
+    assert not hopeless.can_pay(2) and not hopeless.worth_drafting(np.ones((2, 3)))
+
+
+def test_probes_look_at_once_then_after_doubling_intervals_and_reset_when_drafting_pays():
+    probes, looks = Probes(), []
+    for generated in range(400):
+        if generated >= probes.due:
+            looks.append(generated)
+            probes.looked(generated)
+    assert looks == [0, 16, 48, 112, 240]  # a shrinking share: 5 looks in 400 tokens, 1 + log2(n / 16) in n
+    probes.paid()
+    probes.looked(400)
+    assert probes.due == 416
 
 
 def test_gate_pays_a_catch_up_only_when_the_remaining_tokens_repay_it():
