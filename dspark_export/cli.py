@@ -147,7 +147,7 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
     size = size_engine(
         spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory")
     )
-    report = describe_target(spec, size, dtype, fmt.name)
+    report = describe_target(spec, size, dtype, fmt)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from dspark_export.checkpoint import Checkpoint
+from dspark_export.graphs.weights import WeightFormat
 from dspark_export.presets import PRESETS, TargetSpec
 from dspark_export.sizing import EngineSize
 
 
-def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: str) -> dict[str, Any]:
+def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: WeightFormat) -> dict[str, Any]:
     """Facts about a target and the memory of an engine built from it (`size`, as `dspark-export build` sizes it).
 
     The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
@@ -41,7 +42,8 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: str
         "dtype": stored,
         "memory": {
             "dtype": dtype,
-            "weights": weights,
+            "weights": weights.name,
+            "quant_block_size": weights.block_size if weights.bits else None,
             "slots": size.slots,
             "context": size.max_context,
             "weights_bytes": size.weight_bytes,
@@ -77,7 +79,8 @@ def format_report(report: dict[str, Any]) -> str:
         ("embeddings", f"{embeddings}, vocabulary {report['vocab_size']}"),
         ("parameters", human_count(report["parameters"])),
         ("dtype", report["dtype"]),
-        ("engine", f"{memory['dtype']} activations, {memory['weights']} weights"),
+        ("engine", f"{memory['dtype']} activations, {memory['weights']} weights"
+                   + (f" in blocks of {memory['quant_block_size']}" if memory["quant_block_size"] else "")),
         ("memory", memory["line"]),
     ]
     return "\n".join(f"{name:<13}{value}" for name, value in rows)

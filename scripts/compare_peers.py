@@ -4,12 +4,24 @@
     python scripts/compare_peers.py ENGINE_DIR --peers ort-genai,llama.cpp,llama.cpp-dspark:3,llama.cpp-dspark:7 \
         --llama-cpp VENDOR/llama.cpp
 
-Greedy decoding, one request at a time, `--threads` threads for everyone. Every runner (each peer, and the
-DSpark engine once for all of `--modes`) lives in its own process with its own best thread settings, so no
-runner's thread pool spins on the cores another needs. Each round, every runner in turn generates
+Greedy decoding (or pure sampling at `--temperature`), one request at a time, `--threads` threads for everyone.
+Every runner (each peer, and the DSpark engine once for all of `--modes`) lives in its own process with its own
+best thread settings, so no runner's thread pool spins on the cores another needs. Each round, every runner in turn generates
 `--max-tokens` tokens for every prompt from the same token ids (a block of prompts per runner, so that one
 runner's spinning threads settle before the next starts), timed inside its process with prefill included;
-`--repeats` rounds. Medians of tokens/s and their ratios are printed, and greedy outputs are compared.
+`--repeats` rounds, the runners taking turns to go first. Medians of tokens/s, their ratios within rounds, the time
+to first token of a `--ttft-tokens` prompt and the processor with its vector extensions are printed, and greedy
+outputs are compared.
+
+At real size (a pair grown by `../shared/tools/grow/grow.py`, weights generated, never committed):
+
+    python ../shared/tools/grow/grow.py --shape qwen3-1.7b --out /tmp/grown17
+    dspark-export build --target-path /tmp/grown17/target --drafter /tmp/grown17/drafter --weights int4 \
+        --cache-slots 1 --max-context 2048 --out /tmp/e17 --force && dspark-run profile /tmp/e17
+    python scripts/compare_peers.py /tmp/e17 --checkpoint /tmp/grown17/target --drafter /tmp/grown17/drafter \
+        --peers ort-genai,llama.cpp,llama.cpp-dspark:3 --llama-cpp VENDOR/llama.cpp --limit 5 --max-tokens 64 \
+        --repeats 3 --modes off,async,fixed:3,fixed:7 [--temperature 1]
+
 Peers run the checkpoint at the engine's weight precision.
 
 Peers (not part of the test suite):
@@ -18,7 +30,8 @@ Peers (not part of the test suite):
   the engine's precision: fp32, fp16, int8 or int4) and generator. Needs `pip install onnxruntime-genai onnx_ir`.
 - `llama.cpp`: llama.cpp's own `llama-server` on loopback, as its users run it, on the checkpoint converted by
   llama.cpp's `convert_hf_to_gguf.py` at the engine's precision (f32, f16, Q8_0 for int8, Q4_0 for int4 by its
-  `llama-quantize`; `--gguf-type` overrides); `--no-repack` (this CPU's Q4_0/Q8_0 repacking crashes at load).
+  `llama-quantize`; `--gguf-type` overrides), with its default flags (`--no-repack` passes llama.cpp's own, for a CPU
+  where its Q4_0/Q8_0 repacking crashes at load).
   `llama.cpp-dspark:K` adds llama.cpp's DSpark speculation with the engine's drafter (`-md DRAFTER.gguf
   --spec-type draft-dspark --spec-draft-n-max K`): the drafter is written in DeepSpec's layout by `dspark-export
   convert --to deepspec` and converted with `--target-model-dir`, at Q8_0 (`--draft-gguf-type`). `--llama-cpp` is a
@@ -44,7 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-Generate = Callable[[list[int]], list[int]]
+Generate = Callable[[list[int], int], list[int]]  # (prompt ids, tokens to generate) -> tokens
 GENAI_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int4"}
 GGUF_TYPE = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 CONVERT = """
@@ -58,23 +71,24 @@ runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def transformers_peer(model_dir: Path, max_tokens: int, threads: int, **_) -> Generate:
+def transformers_peer(model_dir: Path, threads: int, temperature: float, **_) -> Generate:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
 
-    def generate(ids: list[int]) -> list[int]:
+    def generate(ids: list[int], max_tokens: int) -> list[int]:
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0)
+                                 do_sample=temperature > 0, temperature=temperature or None, top_k=None, top_p=None,
+                                 pad_token_id=0)
         return out[0, len(ids):].tolist()
 
     return generate
 
 
-def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: str, work: Path, **_) -> Generate:
+def ort_genai_peer(model_dir: Path, threads: int, precision: str, work: Path, temperature: float, **_) -> Generate:
     import onnxruntime_genai as og
 
     folder = work / f"{model_dir.name}-genai-{precision}"
@@ -105,9 +119,10 @@ def ort_genai_peer(model_dir: Path, max_tokens: int, threads: int, precision: st
     (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
     model = og.Model(str(folder))
 
-    def generate(ids: list[int]) -> list[int]:
+    def generate(ids: list[int], max_tokens: int) -> list[int]:
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + max_tokens, min_length=len(ids) + max_tokens)
+        params.set_search_options(do_sample=temperature > 0, temperature=temperature or 1.0, top_k=0, top_p=1.0,
+                                  max_length=len(ids) + max_tokens, min_length=len(ids) + max_tokens)
         generator = og.Generator(model, params)
         generator.append_tokens(ids)
         tokens = []
@@ -133,8 +148,8 @@ def gguf_file(source: Path, model_dir: Path, work: Path, gguf_type: str, label: 
     return gguf
 
 
-def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, source: Path, gguf_type: str,
-                   draft: tuple[Path, int, str] | None = None, **_) -> Generate:
+def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf_type: str,
+                   temperature: float, repack: bool, draft: tuple[Path, int, str] | None = None, **_) -> Generate:
     """llama-server on loopback (with llama.cpp's DSpark speculation when `draft` = (DeepSpec folder, K, type))."""
     import socket
     import urllib.request
@@ -145,7 +160,9 @@ def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, s
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [str(source / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port",
-               str(port), "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-repack"]
+               str(port), "-t", str(threads), "-tb", str(threads), "-c", str(min(context, 8192)), "-np", "1"]
+    if not repack:
+        command.append("--no-repack")
     if draft is not None:
         folder, draft_max, draft_type = draft
         drafter = gguf_file(source, folder, work, draft_type, folder.name, "--target-model-dir", str(model_dir))
@@ -164,9 +181,11 @@ def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, s
                 raise RuntimeError(f"llama-server exited with {server.returncode}: {' '.join(command)}") from None
             time.sleep(0.1)
 
-    def generate(ids: list[int]) -> list[int]:
-        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
-                "cache_prompt": False, "return_tokens": True}
+    def generate(ids: list[int], max_tokens: int) -> list[int]:
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0} if temperature else {
+            "temperature": 0.0, "top_k": 1}
+        body = {"prompt": ids, "n_predict": max_tokens, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True, **sampling}
         request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -175,12 +194,19 @@ def llama_cpp_peer(model_dir: Path, max_tokens: int, threads: int, work: Path, s
     return generate
 
 
-def dspark_runner(engine_dir: str | None, max_tokens: int, threads: int, modes: list[str], **_) -> dict[str, Generate]:
+def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float, **_) -> dict[str, Generate]:
+    from dataclasses import replace
+
     from dspark_runtime import Engine, OrtBackend, SamplingParams
 
     engine = Engine.load(engine_dir, OrtBackend(threads, shared_pool=True))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return {mode: (lambda ids, mode=mode: engine.generate(ids, params, spec=mode).token_ids) for mode in modes}
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+    seeds = iter(range(1 << 30))  # a seed per request: sampled runs differ from call to call, as the peers' do
+
+    def generate(ids: list[int], mode: str, tokens: int) -> list[int]:
+        return engine.generate(ids, replace(params, max_tokens=tokens, seed=next(seeds)), spec=mode).token_ids
+
+    return {mode: (lambda ids, tokens, mode=mode: generate(ids, mode, tokens)) for mode in modes}
 
 
 PEERS = {"transformers": transformers_peer, "ort-genai": ort_genai_peer, "llama.cpp": llama_cpp_peer}
@@ -191,9 +217,9 @@ def serve(connection, kind: str, options: dict) -> None:
     generators = dspark_runner(**options) if kind == "dspark" else {options["label"]: PEERS[kind](**options)}
     connection.send(list(generators))
     while (request := connection.recv()) is not None:
-        name, ids = request
+        name, ids, max_tokens = request
         started = time.perf_counter()
-        tokens = generators[name](ids)
+        tokens = generators[name](ids, max_tokens)
         connection.send((tokens, time.perf_counter() - started))
 
 
@@ -205,8 +231,8 @@ class Runner:
         self.process.start()
         self.names = self.connection.recv()
 
-    def generate(self, name: str, ids: list[int]) -> tuple[list[int], float]:
-        self.connection.send((name, ids))
+    def generate(self, name: str, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+        self.connection.send((name, ids, max_tokens))
         return self.connection.recv()
 
     def close(self) -> None:
@@ -214,15 +240,36 @@ class Runner:
         self.process.join(timeout=30)
 
 
-def deepspec_drafter(manifest, model_dir: Path, work: Path) -> Path:
-    """The engine's drafter in DeepSpec's layout (what llama.cpp's converter reads), written once into `work`."""
-    if manifest.drafter_name is None:
-        raise SystemExit("llama.cpp-dspark needs an engine with a drafter")
-    out = work / f"{manifest.drafter_name.replace('/', '_')}-deepspec"
+def deepspec_drafter(drafter: str, model_dir: Path, work: Path) -> Path:
+    """The drafter (a name or folder) in DeepSpec's layout (what llama.cpp's converter reads), written once into
+    `work`."""
+    out = work / f"{Path(drafter).name}-deepspec"
     if not (out / "config.json").is_file():
-        subprocess.run(["dspark-export", "convert", manifest.drafter_name, "--target-path", str(model_dir), "--to",
+        subprocess.run(["dspark-export", "convert", drafter, "--target-path", str(model_dir), "--to",
                         "deepspec", "--out", str(out), "--force"], check=True, capture_output=True)
     return out
+
+
+def cpu_line() -> str:
+    """The processor and the vector extensions that decide these kernels' speed."""
+    from dspark_runtime.backend import cpu_name
+
+    flags = set()
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pass
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+    return f"{cpu_name()}, {os.cpu_count()} cores, " + " ".join(f for f in wanted if f in flags)
+
+
+def long_prompt(prompts: list[list[int]], length: int) -> list[int]:
+    """About `length` tokens of the benchmark's prompts, one after another (the time-to-first-token prompt)."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += [token for prompt in prompts for token in prompt]
+    return ids[:length]
 
 
 def main() -> None:
@@ -231,12 +278,19 @@ def main() -> None:
     parser.add_argument("--domains", default="code", help="comma-separated prompt domains")
     parser.add_argument("--limit", type=int, default=10, help="prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (outputs compared); above 0: pure sampling at that temperature, each run "
+                             "seeded anew (speed only)")
+    parser.add_argument("--ttft-tokens", type=int, default=400,
+                        help="time to first token of a prompt this long, per runner and round (0: skip)")
     parser.add_argument("--modes", default="off,async", help="DSpark speculation modes (the first is the reference)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--peers", default="transformers",
                         help="comma-separated: transformers, ort-genai, llama.cpp, llama.cpp-dspark:K")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with llama-server built (see above)")
+    parser.add_argument("--no-repack", dest="repack", action="store_false",
+                        help="pass --no-repack to llama.cpp (its Q4_0/Q8_0 repacking crashed at load on some CPUs)")
     parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
                         help="GGUF precision (default: the engine's)")
     parser.add_argument("--draft-gguf-type", default="q8_0", choices=sorted(set(GGUF_TYPE.values())),
@@ -245,6 +299,8 @@ def main() -> None:
                         help="where converted peer models go")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the Hugging Face folder the engine was built from (default: its named target's)")
+    parser.add_argument("--drafter", default=None,
+                        help="the drafter folder the engine was built with (default: its named drafter)")
     args = parser.parse_args()
 
     from dspark_export.build import default_engine_dir
@@ -262,8 +318,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
     engine_dir = Path(args.engine_dir) if args.engine_dir else default_engine_dir("demo", "demo-dspark")
-    runners = [Runner("dspark", {"engine_dir": args.engine_dir, "max_tokens": args.max_tokens, "threads": args.threads,
-                                 "modes": modes})]  # builds the demo engine first when none is named
+    common = {"threads": args.threads, "temperature": args.temperature}
+    runners = [Runner("dspark", common | {"engine_dir": args.engine_dir, "modes": modes})]  # builds the demo first
     manifest = read_manifest(engine_dir)
     model_dir = args.checkpoint or resolve_target(manifest.target_name, None).require_path()
     precision = manifest.weights
@@ -275,42 +331,60 @@ def main() -> None:
     }
     for name in names:
         kind, _, draft_max = name.partition("-dspark:")
-        options = {"model_dir": model_dir, "max_tokens": args.max_tokens, "threads": args.threads,
-                   "precision": precision, "work": args.work, "source": args.llama_cpp, "gguf_type": gguf_type,
-                   "label": labels[kind] + (f"-dspark:{draft_max}" if draft_max else "")}
+        options = common | {"model_dir": model_dir, "precision": precision, "work": args.work,
+                            "source": args.llama_cpp, "gguf_type": gguf_type, "repack": args.repack,
+                            "label": labels[kind] + (f"-dspark:{draft_max}" if draft_max else "")}
         if draft_max:
-            options["draft"] = (deepspec_drafter(manifest, model_dir, args.work), int(draft_max), args.draft_gguf_type)
+            drafter = args.drafter or manifest.drafter_name
+            if drafter is None:
+                parser.error("llama.cpp-dspark needs an engine with a drafter")
+            options["draft"] = (deepspec_drafter(drafter, model_dir, args.work), int(draft_max), args.draft_gguf_type)
         runners.append(Runner(kind, options))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
-    timings: dict[str, list[float]] = {name: [] for _, name in order}
+    prompts = [tokenizer.encode(row["prompt"]) for row in rows]
+    ttft_prompt = long_prompt(prompts, args.ttft_tokens) if args.ttft_tokens else None
+    speeds: dict[str, list[float]] = {name: [] for _, name in order}  # per prompt, every round
+    by_round: list[dict[str, float]] = []  # each round's median per runner
+    ttft: dict[str, list[float]] = {name: [] for _, name in order}
     agree = {name: 0 for _, name in order}
     for runner, name in order:  # warm-up
-        runner.generate(name, tokenizer.encode(rows[0]["prompt"]))
-    prompts = [tokenizer.encode(row["prompt"]) for row in rows]
+        runner.generate(name, prompts[0], args.max_tokens)
     for round_ in range(args.repeats):
         outputs: dict[str, list[list[int]]] = {}
-        for runner, name in order:
+        shift = round_ % len(order)  # the runners take turns going first
+        for runner, name in order[shift:] + order[:shift]:
             time.sleep(0.5)  # the previous runner's pool stops spinning
             outputs[name] = []
             for ids in prompts:
-                tokens, seconds = runner.generate(name, ids)
+                tokens, seconds = runner.generate(name, ids, args.max_tokens)
                 outputs[name].append(tokens)
-                timings[name].append(len(tokens) / seconds)
-            print(f"round {round_ + 1}: {name} {np.median(timings[name][-len(prompts):]):.1f} tok/s", flush=True)
-        for name in outputs:
-            agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[modes[0]]))
+                speeds[name].append(len(tokens) / seconds)
+            if ttft_prompt:
+                ttft[name].append(runner.generate(name, ttft_prompt, 1)[1])
+            print(f"round {round_ + 1}: {name} {np.median(speeds[name][-len(prompts):]):.1f} tok/s", flush=True)
+        by_round.append({name: float(np.median(speeds[name][-len(prompts):])) for name in outputs})
+        if args.temperature == 0:
+            for name in outputs:
+                agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[modes[0]]))
     for runner in runners:
         runner.close()
-    medians = {name: float(np.median(values)) for name, values in timings.items()}
-    print(json.dumps({
-        "engine": str(engine_dir), "weights": precision, "prompts": len(rows), "repeats": args.repeats,
-        "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
+    medians = {name: float(np.median(values)) for name, values in speeds.items()}
+    ratio = lambda a, b: round(float(np.median([r[a] / r[b] for r in by_round])), 2)  # noqa: E731
+    report = {
+        "engine": str(engine_dir), "weights": precision, "cpu": cpu_line(), "prompts": len(rows),
+        "repeats": args.repeats, "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
+        "temperature": args.temperature,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
-        "ratios": {f"{mode}_vs_{name}": round(medians[mode] / medians[name], 2)
-                   for mode in modes for name in medians if name != mode},
-        f"prompts_with_the_same_greedy_output_as_{modes[0]}": agree,
-    }, indent=2))
+        "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in modes for name in medians
+                                 if name != mode},
+        "by_round": [{k: round(v, 1) for k, v in r.items()} for r in by_round],
+    }
+    if ttft_prompt:
+        report[f"ttft_seconds_{len(ttft_prompt)}_tokens"] = {k: round(float(np.median(v)), 3) for k, v in ttft.items()}
+    if args.temperature == 0:
+        report[f"prompts_with_the_same_greedy_output_as_{modes[0]}"] = agree
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

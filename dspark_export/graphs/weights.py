@@ -70,6 +70,10 @@ class WeightFormat:
     def bits(self) -> int | None:
         return QUANTIZED_BITS.get(self.name)
 
+    def __str__(self) -> str:
+        """"int4 in blocks of 128", "fp32"."""
+        return f"{self.name} in blocks of {self.block_size}" if self.bits else self.name
+
 
 def convert(array: np.ndarray, stored: str, dtype: str) -> np.ndarray:
     """A checkpoint tensor (bfloat16 as uint16 bits) in the graph's dtype (bfloat16 again as uint16 bits)."""
