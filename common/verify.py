@@ -51,6 +51,13 @@ def verify_sampled(target_probs: np.ndarray, draft_probs: np.ndarray, draft_toke
     return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), EMIT))
 
 
+def point_masses(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[ℓ, V] distributions each certain of its token: what a draft proposed without sampling was drawn from."""
+    masses = np.zeros((len(tokens), vocab_size), dtype=np.float32)
+    masses[np.arange(len(tokens)), tokens] = 1.0
+    return masses
+
+
 def verify_greedy(target_tokens: np.ndarray, draft_tokens: np.ndarray) -> tuple[int, int]:
     """Greedy: keep the drafts that equal the target's argmax; emit the target's token at the first mismatch.
 

@@ -87,11 +87,20 @@ def check_options(config: DecoderConfig, backend: str, dtype: str, weights: Weig
             raise DSparkError(f"--quant-block-size {weights.block_size} does not divide the input width {bad[0]}")
 
 
-def default_drafter_weights(backend: str, weights: WeightFormat) -> WeightFormat:
+DRAFTER_BLOCK = 128  # a real-size drafter's quantization block (`default_drafter_weights`)
+REAL_SIZE_HIDDEN = 1024  # every Qwen3, Qwen2.5 and Llama-3.x has at least this hidden size; the demo has less
+
+
+def default_drafter_weights(backend: str, weights: WeightFormat, config: DecoderConfig) -> WeightFormat:
     """ONNX Runtime: int4 beside an int4 target (a draft call 20-24% cheaper than int8 on the demo, τ unchanged),
-    else int8; TensorRT: float32."""
+    else int8; TensorRT: float32. At real size in blocks of 128 where they divide the widths: the drafter's numbers
+    never touch losslessness (the target verifies every draft), and MatMulNBits is 1.4-1.7x faster with them than
+    with 32 (Qwen3-1.7B's shapes, 2 AMD EPYC cores with AVX-512 VNNI), while the target keeps the blocks under which
+    ONNX Runtime computes a row alike alone and in a batch."""
     name = "fp32" if backend != "ort" else "int4" if weights.name == "int4" else "int8"
-    return WeightFormat(name, weights.block_size, weights.accuracy_level)
+    real = config.hidden_size >= REAL_SIZE_HIDDEN and not any(w % DRAFTER_BLOCK for w in config.input_widths())
+    return WeightFormat(name, max(weights.block_size, DRAFTER_BLOCK) if real else weights.block_size,
+                        weights.accuracy_level)
 
 
 def with_gamma(source: DrafterSource | None, gamma: int) -> DrafterSource:
@@ -115,10 +124,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
     `draft_vocab.default_size` where the drafter's or target's folder holds token counts)."""
     backend = resolve_backend(backend)
-    weights = (weights or float_weights(dtype)).for_widths(spec.config.input_widths())
-    drafter_weights = drafter_weights and drafter_weights.for_widths(spec.config.input_widths())
+    weights = weights or float_weights(dtype)
     check_options(spec.config, backend, dtype, weights, drafter_weights)
-    drafter_weights = drafter_weights or default_drafter_weights(backend, weights)
+    drafter_weights = drafter_weights or default_drafter_weights(backend, weights, spec.config)
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")

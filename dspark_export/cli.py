@@ -44,9 +44,10 @@ def engine_options(command):
         click.option(
             "--quant-block-size",
             type=click.IntRange(min=16),
-            default=None,
-            help="Weights per quantization block (int8, int4). Default: 128 for real-size models (hidden size 1024 "
-                 "or more), 32 for smaller ones.",
+            default=32,
+            show_default=True,
+            help="Weights per quantization block (int8, int4). ONNX Runtime computes a row alike alone and in a "
+                 "batch only with 32: larger blocks are faster but can break greedy identity between modes.",
         ),
         click.option(
             "--accuracy-level",
@@ -100,7 +101,7 @@ def draft_vocab_options(command):
     return with_draft_vocab
 
 
-def weight_format(dtype: str, weights: str | None, block_size: int | None, accuracy_level: int = 4) -> WeightFormat:
+def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat:
     """--weights (default: the --dtype's float format) as a WeightFormat."""
     return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size,
                         accuracy_level)
@@ -143,7 +144,7 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
     from dspark_export.sizing import size_engine
 
     spec = resolve_target(target, target_path)
-    fmt = weight_format(dtype, weights, quant_block_size).for_widths(spec.config.input_widths())
+    fmt = weight_format(dtype, weights, quant_block_size)
     size = size_engine(
         spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory")
     )

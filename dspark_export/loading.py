@@ -26,7 +26,7 @@ def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
         raise CheckpointError(
             f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
         )
-    fmt = WeightFormat(weights).for_widths(spec.config.input_widths())
+    fmt = WeightFormat(weights)
     return DecoderModel.from_checkpoint(Checkpoint(folder, spec.config), dtype, streamed,
                                       quantizer(fmt) if fmt.bits else None, stream_head), tokenizer
 

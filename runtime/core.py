@@ -20,12 +20,13 @@ from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_common.engine_dir import Manifest
 from dspark_common.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
+from dspark_runtime.ngram import LONGEST, drafts_worth_verifying, lookup
 from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_common.randomness import EMIT
 from dspark_runtime.runner import GraphRunner
 from dspark_runtime.sequence import Sequence
-from dspark_common.verify import sample, verify_greedy, verify_sampled
+from dspark_common.verify import point_masses, sample, verify_greedy, verify_sampled
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 Result = TypeVar("Result")
@@ -60,7 +61,8 @@ class EngineCore:
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
-        self.gate_steps = Counter(draft=0, probe=0, plain=0)  # the gate's decisions for sync/async steps
+        self.gate_steps = Counter(draft=0, probe=0, plain=0, free=0)  # sync/async steps: the gate's decisions, and
+        # the steps that verified free drafts
         self.round_log: list[tuple[int, np.ndarray, int]] | None = (
             None  # (request id, confidence logits, accepted) when recording
         )
@@ -124,7 +126,9 @@ class EngineCore:
         lengths = {}
         scheduled = {"sync": [], "async": []}
         for s in decoding:
-            if s.drafts is None or not s.spec.drafting:
+            if s.drafts is None and s.spec.kind in scheduled and self.curve is not None:
+                lengths[s.request_id] = self._free_drafts(s, len(decoding))
+            elif s.drafts is None or not s.spec.drafting:
                 lengths[s.request_id] = 0
             elif s.spec.kind == "fixed":
                 lengths[s.request_id] = min(s.spec.drafts, self.gamma)
@@ -143,6 +147,16 @@ class EngineCore:
             room = min(self.manifest.max_context - s.target_len - 1, s.params.max_tokens - len(s.generated) - 1)
             lengths[s.request_id] = max(0, min(lengths[s.request_id], room))
         return lengths
+
+    def _free_drafts(self, s: Sequence, tokens: int) -> int:
+        """Free drafts (`dspark_runtime.ngram`) for a request the drafter is not drafting for: how many to verify in a
+        step of `tokens` other tokens, priced by the speed curve at the request's record of them."""
+        proposed = lookup(np.asarray(s.prompt + s.generated, dtype=np.int64), self.gamma or LONGEST)
+        verified = drafts_worth_verifying(len(proposed), s.free_acceptance.rate, self.curve, tokens)
+        if verified:
+            s.drafts, s.draft_probs, s.free = proposed, None, True
+            self.gate_steps["free"] += 1
+        return verified
 
     def _survival(self, logits: np.ndarray | None, temperature: float) -> np.ndarray:
         """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
@@ -240,7 +254,8 @@ class EngineCore:
             accepted, token = 0, sample(processed[0], s.random.uniform(s.target_len + 1, EMIT))
         else:
             first = s.target_len + 1  # the position the first draft proposes
-            accepted, token = verify_sampled(processed, s.draft_probs[: row.drafts], drafts,
+            proposed = point_masses(drafts, processed.shape[-1]) if s.free else s.draft_probs[: row.drafts]
+            accepted, token = verify_sampled(processed, proposed, drafts,
                                              lambda k, purpose: s.random.uniform(first + k, purpose))
         if self.round_log is not None and row.drafts == self.gamma and s.confidence_logits is not None:
             self.round_log.append(
@@ -250,6 +265,10 @@ class EngineCore:
             s.stats.rounds += 1
             s.stats.drafted += row.drafts
             s.stats.accepted += accepted
+        if s.free:
+            s.free_acceptance.add(row.drafts, accepted)
+            s.stats.free_accepted += accepted
+            s.drafts, s.free = None, False
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
         if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]

@@ -10,6 +10,7 @@ import numpy as np
 
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
+from dspark_runtime.ngram import FreeDraftAcceptance
 from dspark_runtime.scheduler import Probes
 from dspark_runtime.spec_mode import SpecMode
 
@@ -20,6 +21,7 @@ class Stats:
     rounds: int = 0  # verification rounds with at least one draft
     drafted: int = 0
     accepted: int = 0
+    free_accepted: int = 0  # of `accepted`, free drafts (`dspark_runtime.ngram`)
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     finished: float | None = None
@@ -33,6 +35,7 @@ class Stats:
             rounds=self.rounds,
             accepted_per_step=self.accepted / self.rounds if self.rounds else 0.0,
             acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
+            free_drafts_accepted=self.free_accepted,
             tokens_per_s=(generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
             ttft_s=ttft,
         )
@@ -47,6 +50,7 @@ class RequestStats:
     rounds: int  # verification rounds with at least one draft
     accepted_per_step: float  # drafts accepted per round
     acceptance_rate: float  # drafts accepted per draft verified
+    free_drafts_accepted: int  # accepted drafts that were free (`dspark_runtime.ngram`), not the drafter's
     tokens_per_s: float  # after the first token
     ttft_s: float | None  # seconds to the first token
 
@@ -73,6 +77,8 @@ class Sequence:
     confidence_logits: np.ndarray | None = None  # [γ]
     survival: np.ndarray | None = None  # [γ] calibrated prefix survival of the latest drafts (kept while not drafting)
     probes: Probes = field(default_factory=Probes)  # when the draft gate looks again (sync/async)
+    free: bool = False  # `drafts` are free drafts (`dspark_runtime.ngram`), not the drafter's
+    free_acceptance: FreeDraftAcceptance = field(default_factory=FreeDraftAcceptance)
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)

@@ -89,7 +89,7 @@ def main() -> None:
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
     with tempfile.TemporaryDirectory() as work:
-        weights = WeightFormat(args.weights).for_widths(spec.config.input_widths())
+        weights = WeightFormat(args.weights)
         variants = (("with", source), ("without", headless))
         graphs = {name: build_drafter_onnx(s, checkpoint, Path(work) / name / "drafter.onnx", weights,
                                            greedy_shortcut=True) for name, s in variants}

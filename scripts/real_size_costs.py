@@ -137,8 +137,7 @@ def main() -> None:
             source, checkpoint, *DraftVocab(vocab, (demo_dir() / "token_counts.json",)).choose(
                 spec.config.vocab_size, tokenizer_size))
         name = f"layers{layers}-vocab{vocab or spec.config.vocab_size}-{weights}"
-        graph = build_drafter_onnx(drafted, checkpoint, args.work / name / "drafter.onnx",
-                                   WeightFormat(weights).for_widths(spec.config.input_widths()),
+        graph = build_drafter_onnx(drafted, checkpoint, args.work / name / "drafter.onnx", WeightFormat(weights),
                                    greedy_shortcut=True)
         session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         inputs = {i.name for i in session.get_inputs()}

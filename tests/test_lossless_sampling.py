@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 
+import dspark_runtime.core as core
+from dspark_common.verify import sample
 from dspark_runtime import Engine, OrtBackend, SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -21,6 +23,14 @@ from tests.conftest import SAMPLES, build_echo_engine, exact_joint, p_value, sam
 SETTINGS = {"T1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
             "T1-topp0.9": SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, ignore_eos=True),
             "T1-topk20": SamplingParams(max_tokens=3, temperature=1.0, top_k=20, ignore_eos=True)}
+
+
+def no_residual(target_probs, draft_probs, draft_tokens, uniform):
+    """A wrong verifier: on a rejection it samples from p itself instead of the residual."""
+    for k, token in enumerate(draft_tokens):
+        if uniform(k, 0) * draft_probs[k, token] >= target_probs[k, token]:
+            return k, sample(target_probs[k], uniform(k, 1))
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
 
 
 @pytest.fixture(scope="module", params=["fp32", "int4", "fp32-draft-vocab-220"])
@@ -39,15 +49,6 @@ def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engi
         prompt = engine.tokenizer.encode("Hello there")
         joint = exact_joint(skewed_engine_dir, prompt, params)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) > 1e-3
-
-        import dspark_runtime.core as core
-        from dspark_common.verify import sample
-
-        def no_residual(target_probs, draft_probs, draft_tokens, uniform):
-            for k, token in enumerate(draft_tokens):
-                if uniform(k, 0) * draft_probs[k, token] >= target_probs[k, token]:
-                    return k, sample(target_probs[k], uniform(k, 1))  # wrong: should be the residual
-            return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
 
         monkeypatch.setattr(core, "verify_sampled", no_residual)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) < 1e-6
@@ -70,3 +71,26 @@ def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec
         )
     verified = sum(r > 0 for r in rounds)
     assert 0.05 * SAMPLES < verified < 0.95 * SAMPLES, verified
+
+
+def test_free_drafts_sample_the_target_and_unchecked_drafts_fail(skewed_engine_dir, tmp_path, monkeypatch):
+    """A drafter too costly to ever run leaves `async` with free drafts alone. The prompt ends with a token x its
+    target tends to repeat; after a first x, the lookup finds [x x] earlier and proposes the token that followed it
+    there, which the target rarely takes: verifying it must reject as often as p says (the point-mass rule of
+    `test_verify` covers the residual), and a verifier that keeps free drafts unchecked fails."""
+    folder = tmp_path / "engine"
+    shutil.copytree(skewed_engine_dir, folder)
+    write_curve(folder, [0.001] * 256, [1.0] * 8)
+    params = SETTINGS["T1"]
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
+        head = engine.tokenizer.encode("Hello there")
+        prompt = head + head[-1:] + head[:2] + head[-1:]  # ... x | x y c x: after a first x, [x x] proposes y
+        joint = exact_joint(skewed_engine_dir, prompt, params)
+        assert p_value(sample_pairs(engine, prompt, params, "async"), joint) > 1e-3
+        assert engine.gate_steps()["free"] > 0.1 * SAMPLES and engine.gate_steps()["draft"] == 0
+
+        def unchecked(target_probs, draft_probs, draft_tokens, uniform):
+            return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
+
+        monkeypatch.setattr(core, "verify_sampled", unchecked)
+        assert p_value(sample_pairs(engine, prompt, params, "async"), joint) < 1e-6

@@ -291,8 +291,9 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
 
 
 def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves(echo_engine_dir, tmp_path):
-    """With a drafter that costs ten target steps, `sync` and `async` run mostly plain steps (a probe now and
-    then) and stay lossless; with a free drafter they draft every step."""
+    """With a drafter that costs ten target steps, `sync` and `async` run the drafter only to look now and then
+    (verifying free drafts between: this target repeats itself) and stay lossless; with a free drafter they draft
+    every step."""
     folder = tmp_path / "engine"
     shutil.copytree(echo_engine_dir, folder)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -301,9 +302,12 @@ def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves
         with Engine.load(folder, OrtBackend(threads=1)) as engine:
             plain = engine.generate(PROMPTS[0], params, spec="off").token_ids
             for spec in ("sync", "async"):
+                before = engine.gate_steps()
                 out = engine.generate(PROMPTS[0], params, spec=spec)
+                gate = {kind: n - before[kind] for kind, n in engine.gate_steps().items()}
                 assert out.token_ids == plain
-                assert (out.stats.rounds > out.stats.steps // 2) == most_steps_draft, (spec, out.stats)
+                assert (gate["draft"] > out.stats.steps // 2) == most_steps_draft, (spec, gate, out.stats)
+                assert most_steps_draft or (gate["probe"] <= 3 and gate["free"] > 0), (spec, gate)
 
 
 def test_a_curve_from_another_machine_or_thread_count_is_measured_again(echo_engine_dir, tmp_path, capsys):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_common.randomness import ACCEPT, EMIT, KeyedRandom
-from dspark_common.verify import residual, sample, verify_greedy, verify_sampled
+from dspark_common.verify import point_masses, residual, sample, verify_greedy, verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -135,3 +135,28 @@ def test_token_logprobs_read_the_processed_rows():
     assert sampled[0].logprob == pytest.approx(np.log(probs[0, 1]))
     assert [t for t, _ in sampled[0].top] == [0, 1]  # what top-k removed is no alternative
     assert token_logprobs(logits, [0], SamplingParams(temperature=0, logprobs=0))[0].top == ()
+
+
+def first_two_tokens_with_free_drafts(verifier, samples: int, seed: int) -> np.ndarray:
+    """Counts [V, V] of the first two emitted tokens when two drafts proposed with certainty (free drafts: the
+    tokens 0 then 1, drawn from point masses) are verified each round."""
+    rng = np.random.default_rng(seed)
+    drafts = np.array([0, 1])
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(samples):
+        target_probs = np.stack([TARGET_1, TARGET_2[0], np.full(V, 1 / V)])
+        accepted, token = verifier(target_probs, point_masses(drafts, V), drafts, lambda k, purpose: rng.random())
+        if accepted == 0:
+            counts[token, rng.choice(V, p=TARGET_2[token])] += 1
+        elif accepted == 1:
+            counts[0, token] += 1
+        else:
+            counts[0, 1] += 1
+    return counts
+
+
+def test_free_drafts_from_point_masses_keep_the_target_and_broken_rules_fail():
+    samples = 40_000
+    assert p_value(first_two_tokens_with_free_drafts(verify_sampled, samples, seed=4)) > 1e-3
+    assert p_value(first_two_tokens_with_free_drafts(reject_from_target, samples, seed=5)) < 1e-6
+    assert p_value(first_two_tokens_with_free_drafts(always_accept, samples, seed=6)) < 1e-6

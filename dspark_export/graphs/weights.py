@@ -11,7 +11,6 @@ on CPUs.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -40,31 +39,17 @@ CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 M
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
 
 
-REAL_SIZE_BLOCK, SMALL_BLOCK = 128, 32  # default quantization blocks (`WeightFormat.for_widths`)
-REAL_SIZE_WIDTH = 1024  # a hidden size from which a model is real size (every Qwen3, Qwen2.5 and Llama-3.x is)
-
-
 @dataclass(frozen=True)
 class WeightFormat:
     name: str = "fp32"  # one of WEIGHT_FORMATS
-    block_size: int | None = None  # weights per quantization block (int8, int4); None: by the model (`for_widths`)
+    block_size: int = 32  # weights per quantization block (int8, int4); see `dspark-export build --quant-block-size`
     accuracy_level: int = 4  # MatMulNBits: 4 computes in int8 on CPUs, 0 dequantizes to float
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown weight format {self.name!r} (choose from {', '.join(WEIGHT_FORMATS)})")
-        if self.block_size is not None and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--quant-block-size must be a power of two, at least 16 (got {self.block_size})")
-
-    def for_widths(self, widths: tuple[int, ...]) -> "WeightFormat":
-        """This format with its block size chosen where none was given, from the model's input widths (hidden size
-        first): 128, the group size of AWQ and GPTQ int4 checkpoints, for a real-size model whose widths it divides
-        (MatMulNBits scales once per 128 weights instead of per 32: 1.5x faster at one row and 1.7x at eight rows on
-        Qwen3-1.7B's MLP, 2 AMD EPYC cores with AVX-512 VNNI); else 32 (the small demo keeps its finer blocks)."""
-        if self.block_size is not None:
-            return self
-        real = widths[0] >= REAL_SIZE_WIDTH and not any(w % REAL_SIZE_BLOCK for w in widths)
-        return dataclasses.replace(self, block_size=REAL_SIZE_BLOCK if real else SMALL_BLOCK)
 
     @property
     def bits(self) -> int | None:
@@ -171,8 +156,6 @@ class Weights:
     ):
         """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
         name) are used from there, in its format and dtype, and stored once for both graphs."""
-        if weight_format.bits and weight_format.block_size is None:
-            raise ConfigError(f"{weight_format.name} weights need a block size: WeightFormat.for_widths chooses one")
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
         self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
         self.initializers: dict[str, TensorProto] = {}

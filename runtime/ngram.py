@@ -1,0 +1,53 @@
+"""Free drafts: what followed the latest earlier occurrence of a request's last few tokens (prompt lookup, as
+llama.cpp's and vLLM's n-gram drafters do). No model runs, so they cost only the longer verification; the step loop
+takes them where the drafter is not drafting and the speed curve says their expected acceptance pays for it.
+
+A draft token here was proposed with certainty: its draft distribution is a point mass, which chain rejection
+sampling verifies as any other (accept with probability p(x); on a rejection, draw from p without x), so sampled
+output stays the target's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dspark_runtime.scheduler import SpeedCurve
+
+LONGEST, SHORTEST = 4, 2  # suffix lengths tried, longest first
+
+
+def lookup(history: np.ndarray, limit: int, longest: int = LONGEST, shortest: int = SHORTEST) -> np.ndarray:
+    """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix of `history` (at
+    least `shortest` tokens long) that occurred before; empty when none did."""
+    for n in range(min(longest, len(history) - 1), shortest - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
+        starts = np.flatnonzero((windows == history[-n:]).all(axis=1))
+        if len(starts):
+            follow = starts[-1] + n
+            return history[follow : follow + limit]
+    return history[:0]
+
+
+class FreeDraftAcceptance:
+    """A request's record of free drafts: the share accepted, from a prior of one accepted in two."""
+
+    def __init__(self) -> None:
+        self.verified, self.accepted = 2, 1
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.verified
+
+    def add(self, verified: int, accepted: int) -> None:
+        """A round verified `verified` free drafts and kept `accepted`; a rejected draft's followers went unseen."""
+        self.verified += min(verified, accepted + 1)
+        self.accepted += accepted
+
+
+def drafts_worth_verifying(available: int, rate: float, curve: SpeedCurve, tokens: int) -> int:
+    """How many of `available` free drafts to verify beside a step of `tokens` tokens: the k that maximises
+    expected tokens per second, (1 + rate + ... + rate^k) / t(tokens + k), against the plain step (k = 0)."""
+    k = np.arange(available + 1)
+    expected = np.cumsum(rate ** k)
+    seconds = np.array([curve.target_time(tokens + n) for n in k])
+    return int(np.argmax(expected / seconds))
