@@ -89,7 +89,7 @@ def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: 
         "scheduler_share_of_step_time": share["schedule"],
         "target_share_of_step_time": share["target"],
         "drafter_share_of_step_time": share["drafter"],
-        "gate_steps": {kind: int(spent[f"gate_{kind}"]) for kind in ("draft", "probe", "plain")},
+        "gate_steps": {kind: int(spent[f"gate_{kind}"]) for kind in ("draft", "probe", "plain", "free")},
     }
 
 

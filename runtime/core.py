@@ -21,6 +21,7 @@ from dspark_common.engine_dir import Manifest
 from dspark_common.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
 from dspark_runtime.ngram import LONGEST, drafts_worth_verifying, lookup
+from dspark_runtime.priors import Priors
 from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
 from dspark_common.randomness import EMIT
@@ -61,6 +62,7 @@ class EngineCore:
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.set_curve(curve)
         self.draft_gate = True  # sync/async skip the drafter when it would not pay (False: draft every step)
+        self.priors = Priors()  # what ended sync/async requests teach new ones at their temperature
         self.gate_steps = Counter(draft=0, probe=0, plain=0, free=0)  # sync/async steps: the gate's decisions, and
         # the steps that verified free drafts
         self.round_log: list[tuple[int, np.ndarray, int]] | None = (
@@ -92,6 +94,9 @@ class EngineCore:
                 self.finish(sequence, "cancelled")
                 continue
             sequence.slot = self.slots.acquire()
+            if sequence.spec.kind in ("sync", "async"):
+                sequence.probes = self.priors.probes(sequence.params.temperature)
+                sequence.free_acceptance = self.priors.free_acceptance(sequence.params.temperature)
             self.active.append(sequence)
 
     @property
@@ -126,9 +131,7 @@ class EngineCore:
         lengths = {}
         scheduled = {"sync": [], "async": []}
         for s in decoding:
-            if s.drafts is None and s.spec.kind in scheduled and self.curve is not None:
-                lengths[s.request_id] = self._free_drafts(s, len(decoding))
-            elif s.drafts is None or not s.spec.drafting:
+            if s.drafts is None or not s.spec.drafting:
                 lengths[s.request_id] = 0
             elif s.spec.kind == "fixed":
                 lengths[s.request_id] = min(s.spec.drafts, self.gamma)
@@ -143,20 +146,30 @@ class EngineCore:
             else:
                 chosen = self.async_scheduler.schedule(survival)
             lengths.update({s.request_id: int(n) for s, n in zip(group, chosen)})
+        if self.curve is not None:  # free drafts where the drafter is not drafting, priced beside the rest
+            tokens = len(decoding) + sum(lengths.values())
+            expected = float(len(decoding))
+            for s in decoding:
+                if s.drafts is None and s.spec.kind in scheduled:
+                    lengths[s.request_id], gain = self._free_drafts(s, tokens, expected)
+                    tokens, expected = tokens + lengths[s.request_id], expected + gain
         for s in decoding:  # never past the context, the token budget or what was drafted
             room = min(self.manifest.max_context - s.target_len - 1, s.params.max_tokens - len(s.generated) - 1)
             lengths[s.request_id] = max(0, min(lengths[s.request_id], room))
         return lengths
 
-    def _free_drafts(self, s: Sequence, tokens: int) -> int:
-        """Free drafts (`dspark_runtime.ngram`) for a request the drafter is not drafting for: how many to verify in a
-        step of `tokens` other tokens, priced by the speed curve at the request's record of them."""
+    def _free_drafts(self, s: Sequence, tokens: int, expected: float) -> tuple[int, float]:
+        """Free drafts (`dspark_runtime.ngram`) for a request the drafter is not drafting for: how many to add to a
+        step of `tokens` tokens expected to emit `expected`, priced by the speed curve at the request's record of
+        them, and the tokens they are expected to add."""
         proposed = lookup(np.asarray(s.prompt + s.generated, dtype=np.int64), self.gamma or LONGEST)
-        verified = drafts_worth_verifying(len(proposed), s.free_acceptance.rate, self.curve, tokens)
-        if verified:
-            s.drafts, s.draft_probs, s.free = proposed, None, True
-            self.gate_steps["free"] += 1
-        return verified
+        rate = s.free_acceptance.rate
+        verified = drafts_worth_verifying(len(proposed), rate, self.curve, tokens, expected)
+        if not verified:
+            return 0, 0.0
+        s.drafts, s.draft_probs, s.free = proposed, None, True
+        self.gate_steps["free"] += 1
+        return verified, float(np.sum(rate ** np.arange(1, verified + 1)))
 
     def _survival(self, logits: np.ndarray | None, temperature: float) -> np.ndarray:
         """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
@@ -353,6 +366,8 @@ class EngineCore:
             sequence.finish_reason = reason
             sequence.stats.finished = time.perf_counter()
             self.finished[reason] += 1
+            if sequence.spec.kind in ("sync", "async"):
+                self.priors.ended(sequence.params.temperature, sequence.probes, sequence.free_acceptance)
         if sequence not in self.changed:
             self.changed.append(sequence)
 

@@ -29,14 +29,18 @@ def lookup(history: np.ndarray, limit: int, longest: int = LONGEST, shortest: in
 
 
 class FreeDraftAcceptance:
-    """A request's record of free drafts: the share accepted, from a prior of one accepted in two."""
+    """A request's record of free drafts: its own counts, and the share accepted after a prior `rate` worth
+    `PRIOR_WEIGHT` drafts (what earlier requests at its temperature saw, `dspark_runtime.priors`)."""
 
-    def __init__(self) -> None:
-        self.verified, self.accepted = 2, 1
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self, rate: float = 0.5) -> None:
+        self.prior = rate
+        self.verified = self.accepted = 0
 
     @property
     def rate(self) -> float:
-        return self.accepted / self.verified
+        return (self.accepted + self.prior * self.PRIOR_WEIGHT) / (self.verified + self.PRIOR_WEIGHT)
 
     def add(self, verified: int, accepted: int) -> None:
         """A round verified `verified` free drafts and kept `accepted`; a rejected draft's followers went unseen."""
@@ -44,10 +48,12 @@ class FreeDraftAcceptance:
         self.accepted += accepted
 
 
-def drafts_worth_verifying(available: int, rate: float, curve: SpeedCurve, tokens: int) -> int:
-    """How many of `available` free drafts to verify beside a step of `tokens` tokens: the k that maximises
-    expected tokens per second, (1 + rate + ... + rate^k) / t(tokens + k), against the plain step (k = 0)."""
+def drafts_worth_verifying(available: int, rate: float, curve: SpeedCurve, tokens: int,
+                           expected: float | None = None) -> int:
+    """How many of `available` free drafts to add to a step that sends `tokens` tokens and is expected to emit
+    `expected` (default: one per token): the k that maximises expected tokens per second,
+    (expected + rate + ... + rate^k) / t(tokens + k), against adding none."""
     k = np.arange(available + 1)
-    expected = np.cumsum(rate ** k)
+    gained = (tokens if expected is None else expected) + np.cumsum(rate ** k) - 1
     seconds = np.array([curve.target_time(tokens + n) for n in k])
-    return int(np.argmax(expected / seconds))
+    return int(np.argmax(gained / seconds))

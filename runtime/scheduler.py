@@ -196,21 +196,25 @@ class DraftGate:
 class Probes:
     """When a request whose survivals say no drafts again to look (a probe): at `due` generated tokens, then after
     `interval` more, the interval doubling with every no (from `FIRST`, at most `LONGEST`) and back to `FIRST`
-    once drafting pays. A new request looks at once (`due` 0)."""
+    once drafting pays. A new request looks at once, or later where its temperature's last requests never drafted
+    (`dspark_runtime.priors`)."""
 
     FIRST = 16
     LONGEST = 512
 
     due: int = 0
     interval: int = FIRST
+    looks: int = 0  # probes so far
+    drafted: bool = False  # whether drafting ever paid
 
     def looked(self, generated: int) -> None:
         """A probe ran at `generated` tokens: the next one waits `interval` tokens, and the one after twice that."""
         self.due = generated + self.interval
         self.interval = min(2 * self.interval, self.LONGEST)
+        self.looks += 1
 
     def paid(self) -> None:
-        self.interval = self.FIRST
+        self.interval, self.drafted = self.FIRST, True
 
 
 @dataclass(frozen=True)

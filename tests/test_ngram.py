@@ -31,6 +31,6 @@ def test_the_curve_prices_how_many_free_drafts_to_verify():
 def test_acceptance_counts_the_drafts_the_target_saw():
     record = FreeDraftAcceptance()
     record.add(verified=4, accepted=1)  # the second draft was rejected: the last two went unseen
-    assert (record.accepted, record.verified) == (2, 4)
+    assert (record.accepted, record.verified) == (1, 2) and record.rate == 2 / 4  # with the prior: 1 in 2
     record.add(verified=3, accepted=3)
     assert record.rate == 5 / 7

@@ -160,3 +160,36 @@ def test_appendix_a_case_two_joint_distribution():
     counts = joint_two_tokens(schedule_sync, 60_000, seed=5)
     expected = np.array([[0.14, 0.56], [0.18, 0.12]]) * counts.sum()
     assert scipy_stats.chisquare(counts.ravel(), expected.ravel()).pvalue > 1e-3
+
+
+def test_priors_wait_longer_at_a_temperature_whose_requests_never_drafted_and_reset_when_one_does():
+    from dspark_runtime.ngram import FreeDraftAcceptance
+    from dspark_runtime.priors import Priors
+
+    priors = Priors()
+    assert priors.probes(1.0).due == 0  # nothing known: look at once
+    declined = Probes(looks=2)
+    firsts = []
+    for _ in range(6):
+        priors.ended(1.0, declined, FreeDraftAcceptance())
+        firsts.append(priors.probes(1.0).due)
+    assert firsts == [16, 32, 64, 128, 128, 128]  # at most 128 tokens: a longer request still looks
+    assert priors.probes(0.0).due == 0  # another temperature keeps its own record
+    priors.ended(1.0, Probes(), FreeDraftAcceptance())  # ended before its first look: teaches nothing
+    assert priors.probes(1.0).due == 128
+    priors.ended(1.0, Probes(looks=1, drafted=True), FreeDraftAcceptance())
+    assert priors.probes(1.0).due == 0
+
+
+def test_priors_hand_new_requests_the_free_drafts_acceptance_of_their_temperature():
+    from dspark_runtime.ngram import FreeDraftAcceptance
+    from dspark_runtime.priors import Priors
+
+    priors, record = Priors(), FreeDraftAcceptance()
+    record.add(verified=4, accepted=0)  # one draft seen, rejected
+    record.add(verified=4, accepted=0)
+    priors.ended(1.0, Probes(), record)
+    assert priors.free_acceptance(1.0).prior == 0.5 / 3 and priors.free_acceptance(0.0).prior == 0.5
+    for _ in range(3):  # requests that verified none: the record fades
+        priors.ended(1.0, Probes(), FreeDraftAcceptance())
+    assert priors.free_acceptance(1.0).prior == 0.5 / 1.25
