@@ -149,7 +149,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     lowering = "ort" if backend == "ort" else "portable"
     attention = attention_for(spec.config, lowering)
     if show_progress:
-        print(f"engine: {weights} weights, {dtype} activations; {size.line()}", file=sys.stderr)
+        print(f"engine: {weights}, {dtype} activations; {size.line()}", file=sys.stderr)
         if source is None:
             print("target only: no drafter, so no speculation (--drafter DIR adds one)", file=sys.stderr)
         elif drafter_config.draft_vocab_size:

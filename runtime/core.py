@@ -195,6 +195,9 @@ class EngineCore:
                         s.probes.paid()
                     self.gate_steps["draft"] += 1
                     return sequences
+                for s in scheduled:  # what the survivals said (a catch-up the tokens left cannot repay aside)
+                    s.probes.paying |= self.gate.steady_pays
+                    s.probes.declined |= not self.gate.steady_pays
             if any(len(s.generated) >= s.probes.due for s in scheduled):
                 for s in scheduled:  # the call refreshes every request's survivals
                     s.probes.looked(len(s.generated))

@@ -1,9 +1,9 @@
 """What ended `sync`/`async` requests teach the next ones at the same sampling temperature.
 
-- The drafter: a temperature whose last n requests never found drafting worth it (their looks all said no) makes a
-  new request take its first look after `Probes.FIRST`·2^(n-1) tokens instead of at once, so where drafts do not pay
-  (often T=1 at real size) looking costs a shrinking share; one request that drafts resets the count, so no
-  temperature stays shut for good.
+- The drafter: a temperature whose last n requests looked and never found drafting worth it (their survivals
+  always said no) makes a new request take its first look after `Probes.FIRST`·2^(n-1) tokens instead of at once,
+  so where drafts do not pay (often T=1 at real size) looking costs a shrinking share; one request whose survivals
+  say yes resets the count, so no temperature stays shut for good.
 - Free drafts: a new request starts from the share of free drafts its temperature's requests accepted (halved
   with every request ended, so a record of rejections fades and free drafts get tried again), not from one in two.
 """
@@ -18,7 +18,7 @@ LONGEST_WAIT = 3  # a first look waits at most FIRST·2^LONGEST_WAIT tokens (128
 
 class Priors:
     def __init__(self) -> None:
-        self.declined: dict[float, int] = {}  # by temperature: ended requests in a row that never drafted
+        self.declined: dict[float, int] = {}  # by temperature: ended requests in a row whose looks said no
         self.free: dict[float, tuple[float, float]] = {}  # by temperature: (verified, accepted) free drafts, decayed
 
     def probes(self, temperature: float) -> Probes:
@@ -31,10 +31,10 @@ class Priors:
         return FreeDraftAcceptance((accepted + 0.5) / (verified + 1))  # one draft in two, worth one draft
 
     def ended(self, temperature: float, probes: Probes, free: FreeDraftAcceptance) -> None:
-        """A request at `temperature` ended: what its looks found (if it looked at all), and its free drafts."""
-        if probes.drafted:
+        """A request at `temperature` ended: what its survivals said (if they were ever weighed), and its free drafts."""
+        if probes.paying:
             self.declined[temperature] = 0
-        elif probes.looks:
+        elif probes.declined:
             self.declined[temperature] = self.declined.get(temperature, 0) + 1
         verified, accepted = self.free.get(temperature, (0.0, 0.0))
         self.free[temperature] = (verified / 2 + free.verified, accepted / 2 + free.accepted)

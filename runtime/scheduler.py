@@ -156,6 +156,7 @@ class DraftGate:
     def __init__(self, curve: SpeedCurve, cap: int | None = None):
         self.curve, self.cap = curve, cap
         self.declined: tuple[np.ndarray, ...] | None = None  # the survivals drafting last lost with
+        self.steady_pays = False  # whether the last survivals asked about would pay, catch-up aside
         self.costs: dict[int, _LoadCosts] = {}  # by request count
 
     def _costs(self, requests: int) -> _LoadCosts:
@@ -185,7 +186,8 @@ class DraftGate:
             return False
         steady = path_throughputs(np.stack(survivals), self.curve, self.cap).max()
         catch_up = self.curve.catch_up(requests, context_rows)
-        if steady > costs.plain and remaining * (1 / costs.plain - 1 / steady) >= catch_up:
+        self.steady_pays = bool(steady > costs.plain)
+        if self.steady_pays and remaining * (1 / costs.plain - 1 / steady) >= catch_up:
             self.declined = None
             return True
         self.declined = tuple(survivals)
@@ -196,7 +198,7 @@ class DraftGate:
 class Probes:
     """When a request whose survivals say no drafts again to look (a probe): at `due` generated tokens, then after
     `interval` more, the interval doubling with every no (from `FIRST`, at most `LONGEST`) and back to `FIRST`
-    once drafting pays. A new request looks at once, or later where its temperature's last requests never drafted
+    once drafting pays. A new request looks at once, or later where its temperature's last requests' looks said no
     (`dspark_runtime.priors`)."""
 
     FIRST = 16
@@ -205,7 +207,8 @@ class Probes:
     due: int = 0
     interval: int = FIRST
     looks: int = 0  # probes so far
-    drafted: bool = False  # whether drafting ever paid
+    paying: bool = False  # whether its survivals ever said drafting pays
+    declined: bool = False  # whether its survivals ever said it does not
 
     def looked(self, generated: int) -> None:
         """A probe ran at `generated` tokens: the next one waits `interval` tokens, and the one after twice that."""
@@ -214,7 +217,7 @@ class Probes:
         self.looks += 1
 
     def paid(self) -> None:
-        self.interval, self.drafted = self.FIRST, True
+        self.interval, self.paying = self.FIRST, True
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,8 @@ class WeightFormat:
         return QUANTIZED_BITS.get(self.name)
 
     def __str__(self) -> str:
-        """"int4 in blocks of 128", "fp32"."""
-        return f"{self.name} in blocks of {self.block_size}" if self.bits else self.name
+        """"int4 weights in blocks of 32", "fp32 weights"."""
+        return f"{self.name} weights" + (f" in blocks of {self.block_size}" if self.bits else "")
 
 
 def convert(array: np.ndarray, stored: str, dtype: str) -> np.ndarray:
