@@ -33,7 +33,9 @@ def register_plugin() -> None:
         import tensorrt.plugin as trtp
         import torch
     except ImportError as exc:
-        raise ImportError(
+        from dspark_common.errors import MissingDependencyError
+
+        raise MissingDependencyError(
             f"the {PLUGIN_ID} TensorRT plugin needs TensorRT >= 10.7, torch and Triton on a CUDA machine "
             f"(pip install 'dspark[trt]'): {exc}"
         ) from None

@@ -4,7 +4,12 @@ reaches the exporter once, where its command line builds the bundled demo on fir
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dspark_common": ROOT / "common", "dspark_runtime": ROOT / "runtime",
@@ -36,3 +41,18 @@ def test_the_exporter_and_the_runtime_share_only_dspark_common():
     assert crossing("dspark_runtime", ("dspark_export",)) == set()
     assert ("dspark_export.graphs.target", "dspark_common.graph_io") in imports("dspark_export")  # the check sees
 
+
+
+@pytest.mark.parametrize("package, command", [("dspark_runtime", "dspark-run"), ("dspark_export", "dspark-export")])
+def test_packages_run_as_their_commands(package, command):
+    out = subprocess.run([sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"Usage: {command}" in out.stdout, out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_the_tensorrt_plugin_names_its_extra_when_tensorrt_is_missing():
+    from dspark_common.errors import MissingDependencyError
+    from dspark_plugins.trt_plugin import register_plugin
+
+    with pytest.raises(MissingDependencyError, match=r"dspark\[trt\]"):
+        register_plugin()
