@@ -65,7 +65,7 @@ def _run(engine: Engine, rows: list[dict], params: SamplingParams, spec: str, co
 
 
 def _counters(engine: Engine) -> dict[str, float]:
-    """The step loop's seconds by part and the draft gate's decisions (`gate_draft`, `gate_probe`, `gate_plain`)."""
+    """The step loop's seconds by part and the draft gate's counts (`Engine.gate_steps`, keyed `gate_<kind>`)."""
     return engine.step_seconds() | {f"gate_{kind}": float(n) for kind, n in engine.gate_steps().items()}
 
 
@@ -89,7 +89,7 @@ def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: 
         "scheduler_share_of_step_time": share["schedule"],
         "target_share_of_step_time": share["target"],
         "drafter_share_of_step_time": share["drafter"],
-        "gate_steps": {kind: int(spent[f"gate_{kind}"]) for kind in ("draft", "probe", "plain", "free")},
+        "gate_steps": {key.removeprefix("gate_"): int(n) for key, n in spent.items() if key.startswith("gate_")},
     }
 
 

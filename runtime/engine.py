@@ -221,8 +221,9 @@ class Engine:
         return dict(self.core.seconds)
 
     def gate_steps(self) -> dict[str, int]:
-        """The draft gate's decisions so far for steps of `sync`/`async` requests: "draft" (their survivals say it
-        pays), "probe" (a request looks again) and "plain" (nothing drafted)."""
+        """Steps of `sync`/`async` requests so far, by the draft gate's decision: "draft" (their survivals say it
+        pays), "probe" (a request looks again), "plain" (nothing drafted); and "free": steps that verified free
+        drafts (`dspark_runtime.ngram`)."""
         return dict(self.core.gate_steps)
 
     def status(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ class Priors:
         return FreeDraftAcceptance((accepted + 0.5) / (verified + 1))  # one draft in two, worth one draft
 
     def ended(self, temperature: float, probes: Probes, free: FreeDraftAcceptance) -> None:
-        """A request at `temperature` ended: what its survivals said (if they were ever weighed), and its free drafts."""
+        """A request at `temperature` ended: what its survivals said (if ever weighed), and its free drafts."""
         if probes.paying:
             self.declined[temperature] = 0
         elif probes.declined:

@@ -206,7 +206,6 @@ class Probes:
 
     due: int = 0
     interval: int = FIRST
-    looks: int = 0  # probes so far
     paying: bool = False  # whether its survivals ever said drafting pays
     declined: bool = False  # whether its survivals ever said it does not
 
@@ -214,7 +213,6 @@ class Probes:
         """A probe ran at `generated` tokens: the next one waits `interval` tokens, and the one after twice that."""
         self.due = generated + self.interval
         self.interval = min(2 * self.interval, self.LONGEST)
-        self.looks += 1
 
     def paid(self) -> None:
         self.interval, self.paying = self.FIRST, True

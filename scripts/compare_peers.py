@@ -6,9 +6,9 @@
 
 Greedy decoding (or pure sampling at `--temperature`), one request at a time, `--threads` threads for everyone.
 Every runner (each peer, and the DSpark engine once for all of `--modes`) lives in its own process with its own
-best thread settings, so no runner's thread pool spins on the cores another needs. Each round, every runner in turn generates
-`--max-tokens` tokens for every prompt from the same token ids (a block of prompts per runner, so that one
-runner's spinning threads settle before the next starts), timed inside its process with prefill included;
+best thread settings, so no runner's thread pool spins on the cores another needs. Each round, every runner in
+turn generates `--max-tokens` tokens for every prompt from the same token ids (a block of prompts per runner, so
+that one runner's spinning threads settle before the next starts), timed inside its process with prefill included;
 `--repeats` rounds, the runners taking turns to go first. Medians of tokens/s, their ratios within rounds, the time
 to first token of a `--ttft-tokens` prompt and the processor with its vector extensions are printed, and greedy
 outputs are compared.
@@ -194,8 +194,10 @@ def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf
     return generate
 
 
-def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float, **_) -> dict[str, Generate]:
+def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float,
+                  **_) -> dict[str, Generate]:
     from dataclasses import replace
+    from functools import partial
 
     from dspark_runtime import Engine, OrtBackend, SamplingParams
 
@@ -203,10 +205,10 @@ def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temper
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
     seeds = iter(range(1 << 30))  # a seed per request: sampled runs differ from call to call, as the peers' do
 
-    def generate(ids: list[int], mode: str, tokens: int) -> list[int]:
+    def generate(ids: list[int], tokens: int, mode: str) -> list[int]:
         return engine.generate(ids, replace(params, max_tokens=tokens, seed=next(seeds)), spec=mode).token_ids
 
-    return {mode: (lambda ids, tokens, mode=mode: generate(ids, mode, tokens)) for mode in modes}
+    return {mode: partial(generate, mode=mode) for mode in modes}
 
 
 PEERS = {"transformers": transformers_peer, "ort-genai": ort_genai_peer, "llama.cpp": llama_cpp_peer}

@@ -253,7 +253,8 @@ def test_int4_blocks_of_32_compute_a_row_alike_alone_and_in_a_batch(block, alike
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(codes, "W"), numpy_helper.from_array(scales, "S")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = rng.standard_normal((4, k)).astype(np.float32)
     alone = np.concatenate([session.run(None, {"X": x[i : i + 1]})[0] for i in range(4)])

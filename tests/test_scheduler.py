@@ -168,16 +168,16 @@ def test_priors_wait_longer_at_a_temperature_whose_requests_never_drafted_and_re
 
     priors = Priors()
     assert priors.probes(1.0).due == 0  # nothing known: look at once
-    declined = Probes(looks=2, declined=True)
+    declined = Probes(declined=True)
     firsts = []
     for _ in range(6):
         priors.ended(1.0, declined, FreeDraftAcceptance())
         firsts.append(priors.probes(1.0).due)
     assert firsts == [16, 32, 64, 128, 128, 128]  # at most 128 tokens: a longer request still looks
     assert priors.probes(0.0).due == 0  # another temperature keeps its own record
-    priors.ended(1.0, Probes(looks=1), FreeDraftAcceptance())  # ended before its survivals were weighed
+    priors.ended(1.0, Probes(due=16), FreeDraftAcceptance())  # ended before its survivals were weighed
     assert priors.probes(1.0).due == 128
-    priors.ended(1.0, Probes(looks=1, paying=True), FreeDraftAcceptance())
+    priors.ended(1.0, Probes(paying=True), FreeDraftAcceptance())
     assert priors.probes(1.0).due == 0
 
 
