@@ -20,7 +20,7 @@ from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
 from dspark_common.engine_dir import Manifest
 from dspark_common.errors import DSparkError
 from dspark_runtime.kv_cache import SlotPool
-from dspark_runtime.ngram import LONGEST, drafts_worth_verifying, lookup
+from dspark_runtime.ngram import LONGEST, NgramIndex, drafts_worth_verifying
 from dspark_runtime.priors import Priors
 from dspark_runtime.sampling import target_rows, token_logprobs
 from dspark_runtime.scheduler import AsyncScheduler, DraftGate, SpeedCurve, schedule_sync
@@ -97,6 +97,7 @@ class EngineCore:
             if sequence.spec.kind in ("sync", "async"):
                 sequence.probes = self.priors.probes(sequence.params.temperature)
                 sequence.free_acceptance = self.priors.free_acceptance(sequence.params.temperature)
+                sequence.ngrams = NgramIndex(sequence.prompt)
             self.active.append(sequence)
 
     @property
@@ -162,7 +163,7 @@ class EngineCore:
         """Free drafts (`dspark_runtime.ngram`) for a request the drafter is not drafting for: how many to add to a
         step of `tokens` tokens expected to emit `expected`, priced by the speed curve at the request's record of
         them, and the tokens they are expected to add."""
-        proposed = lookup(np.asarray(s.prompt + s.generated, dtype=np.int64), self.gamma or LONGEST)
+        proposed = s.ngrams.lookup(self.gamma or LONGEST)
         rate = s.free_acceptance.rate
         verified = drafts_worth_verifying(len(proposed), rate, self.curve, tokens, expected)
         if not verified:
@@ -301,7 +302,7 @@ class EngineCore:
         if s.stats.first_token is None:
             s.stats.first_token = time.perf_counter()
         s.anchor = tokens[-1]
-        visible, reason = [], None
+        visible, reason, first_new = [], None, len(s.generated)
         for token in tokens:
             s.generated.append(token)
             if token in s.stop_ids:
@@ -311,6 +312,8 @@ class EngineCore:
             if len(s.generated) >= s.params.max_tokens:
                 reason = "length"
                 break
+        if s.ngrams is not None:
+            s.ngrams.extend(s.generated[first_new:])
         if s.params.logprobs is not None:
             s.logprobs += token_logprobs(rows, tokens[: len(s.generated) - len(s.logprobs)], s.params)
         if reason is None and s.target_len + 1 > self.manifest.max_context:  # the new anchor would not fit

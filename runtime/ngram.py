@@ -16,16 +16,32 @@ from dspark_runtime.scheduler import SpeedCurve
 LONGEST, SHORTEST = 4, 2  # suffix lengths tried, longest first
 
 
-def lookup(history: np.ndarray, limit: int, longest: int = LONGEST, shortest: int = SHORTEST) -> np.ndarray:
-    """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix of `history` (at
-    least `shortest` tokens long) that occurred before; empty when none did."""
-    for n in range(min(longest, len(history) - 1), shortest - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
-        starts = np.flatnonzero((windows == history[-n:]).all(axis=1))
-        if len(starts):
-            follow = starts[-1] + n
-            return history[follow : follow + limit]
-    return history[:0]
+class NgramIndex:
+    """A request's tokens and, for every n-gram of them (n = SHORTEST..LONGEST), where its latest two occurrences
+    end, kept as tokens arrive: a lookup is a few dictionary reads, not a scan of the history every step."""
+
+    def __init__(self, tokens: list[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], tuple[int, int | None]] = {}  # n-gram -> (latest end, the end before)
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(SHORTEST, min(LONGEST, end) + 1):
+                key = tuple(self.tokens[end - n :])
+                self.ends[key] = (end, self.ends[key][0] if key in self.ends else None)
+
+    def lookup(self, limit: int) -> np.ndarray:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix (at least
+        SHORTEST tokens) that occurred before; empty when none did."""
+        end = len(self.tokens)
+        for n in range(min(LONGEST, end - 1), SHORTEST - 1, -1):
+            before = self.ends.get(tuple(self.tokens[end - n :]), (end, None))[1]
+            if before is not None:
+                return np.asarray(self.tokens[before : before + limit], dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
 
 
 class FreeDraftAcceptance:
@@ -53,6 +69,8 @@ def drafts_worth_verifying(available: int, rate: float, curve: SpeedCurve, token
     """How many of `available` free drafts to add to a step that sends `tokens` tokens and is expected to emit
     `expected` (default: one per token): the k that maximises expected tokens per second,
     (expected + rate + ... + rate^k) / t(tokens + k), against adding none."""
+    if not available:
+        return 0
     k = np.arange(available + 1)
     gained = (tokens if expected is None else expected) + np.cumsum(rate ** k) - 1
     seconds = np.array([curve.target_time(tokens + n) for n in k])

@@ -10,7 +10,7 @@ import numpy as np
 
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.sampling import SamplingParams, TokenLogprob
-from dspark_runtime.ngram import FreeDraftAcceptance
+from dspark_runtime.ngram import FreeDraftAcceptance, NgramIndex
 from dspark_runtime.scheduler import Probes
 from dspark_runtime.spec_mode import SpecMode
 
@@ -79,6 +79,7 @@ class Sequence:
     probes: Probes = field(default_factory=Probes)  # when the draft gate looks again (sync/async)
     free: bool = False  # `drafts` are free drafts (`dspark_runtime.ngram`), not the drafter's
     free_acceptance: FreeDraftAcceptance = field(default_factory=FreeDraftAcceptance)
+    ngrams: NgramIndex | None = None  # prompt and generated tokens, indexed for free drafts (sync/async)
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_runtime.ngram import FreeDraftAcceptance, drafts_worth_verifying, lookup
+from dspark_runtime.ngram import FreeDraftAcceptance, NgramIndex, drafts_worth_verifying
+
+
+def lookup(history: np.ndarray, limit: int) -> np.ndarray:
+    """The index's lookup over a history given at once, and the same history grown token by token."""
+    at_once, grown = NgramIndex(history.tolist()), NgramIndex(history[:1].tolist())
+    for token in history[1:].tolist():
+        grown.extend([token])
+    assert at_once.lookup(limit).tolist() == grown.lookup(limit).tolist()
+    return at_once.lookup(limit)
 from dspark_runtime.scheduler import SpeedCurve
 
 
