@@ -199,15 +199,14 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 
 
 def source_digests(target_folder: Path, drafter_dir: Path | None) -> dict[str, str]:
-    """What an engine was built from, so that a cached engine of changed weights can be told apart (one an
-    older exporter wrote has another `format_version`)."""
+    """What an engine was built from (weights, token counts, generation defaults), so that a cached engine of changed
+    sources can be told apart (one an older exporter wrote has another `format_version`)."""
     sources = {"target": weights_digest(target_folder)}
+    files = {"target_counts": target_folder / COUNTS_FILE, "generation_config": target_folder / "generation_config.json"}
     if drafter_dir is not None:
         sources["drafter"] = weights_digest(drafter_dir)
-    for name, folder in (("target_counts", target_folder), ("drafter_counts", drafter_dir)):
-        if folder is not None and (folder / COUNTS_FILE).is_file():
-            sources[name] = file_digest(folder / COUNTS_FILE)
-    return sources
+        files["drafter_counts"] = drafter_dir / COUNTS_FILE
+    return sources | {name: file_digest(file) for name, file in files.items() if file.is_file()}
 
 
 def _config_dict(config) -> dict:

@@ -13,6 +13,7 @@ from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
 
 if TYPE_CHECKING:
     from dspark_runtime.engine import Completion, Engine
+    from dspark_runtime.output import Delta
 
 
 def shared_pool() -> bool:
@@ -73,14 +74,39 @@ def main() -> None:
     """
 
 
-def summary_line(reply: Completion) -> str:
-    """The figures after a reply: τ is tokens per target step; drafts are counted per verification round."""
+DEMO_PROMPT = "A train travels 60 km each hour. How far does it travel in 4 hours?"
+DEMO_INTRO = (
+    "The bundled demo: a 13.5M-parameter model this project trains on code, grade-school math and prose, with its\n"
+    "DSpark drafter. It is not an assistant and is often wrong; it is here to show speculation at work.\n"
+    "Try: {prompt}\n(press Enter to send it)"
+)
+DRAFT_COLOUR = "cyan"
+
+
+def summary_line(reply: Completion, speedup: float | None = None) -> str:
+    """The figures after a reply: τ is tokens per target step; drafts are counted per verification round; the
+    speed against the target alone is the speed curve's estimate (`Engine.speedup_estimate`), and says so."""
     stats = reply.stats
+    against = "" if speedup is None else f"~{speedup:.1f}x the target alone (est. from the speed curve), "
     return (
-        f"[{stats.tokens_per_s:.1f} tok/s, {stats.tau:.2f} tokens/step, "
-        f"{stats.accepted_per_step:.2f} drafts accepted/round, TTFT {(stats.ttft_s or 0) * 1e3:.0f} ms, "
-        f"{reply.completion_tokens} tokens, {reply.finish_reason}]"
+        f"[{stats.tokens_per_s:.1f} tok/s, {against}{stats.tau:.2f} tokens/step, "
+        f"{stats.accepted_per_step:.2f} drafts accepted/round ({stats.accepted} of {stats.verified} verified), "
+        f"TTFT {(stats.ttft_s or 0) * 1e3:.0f} ms, {reply.completion_tokens} tokens, {reply.finish_reason}]"
     )
+
+
+def wants_colour(no_color: bool) -> bool:
+    """Colour on a terminal unless --no-color or NO_COLOR (https://no-color.org) says otherwise."""
+    import sys
+
+    return not no_color and not os.environ.get("NO_COLOR") and sys.stdout.isatty()
+
+
+def painted(delta: Delta, decode, colour: bool) -> str:
+    """A delta's text, the tokens that came from accepted drafts in colour when `colour`."""
+    if not colour or not any(delta.drafted):
+        return delta.text
+    return "".join(click.style(text, fg=DRAFT_COLOUR) if drafted else text for text, drafted in delta.spans(decode))
 
 
 def stats_json(reply: Completion | None) -> dict:
@@ -126,6 +152,7 @@ Ctrl+C stops a reply; at an empty prompt it says how to quit."""
     help="off, fixed:K, sync or async (default: async once the engine is profiled, else fixed at γ).",
 )
 @click.option("--completion", is_flag=True, help="Plain text continuation, no chat template (base models).")
+@click.option("--no-color", is_flag=True, help=f"Do not show accepted draft tokens in {DRAFT_COLOUR} (also NO_COLOR=1).")
 @json_option
 def chat(
     engine_dir,
@@ -142,10 +169,13 @@ def chat(
     ctx,
     spec,
     completion,
+    no_color,
     as_json,
     threads,
 ) -> None:
-    """Interactive streaming chat (/clear, /stats, /exit; Ctrl+C stops a reply), or a one-shot answer."""
+    """Interactive streaming chat (/clear, /stats, /exit; Ctrl+C stops a reply), or a one-shot answer.
+
+    Tokens that came from accepted drafts are shown in colour on a terminal (--no-color, NO_COLOR=1 turn it off)."""
     import sys
 
     from dspark_runtime.chat import ChatSession
@@ -157,20 +187,31 @@ def chat(
                                        repetition_penalty=repeat_penalty, temperature=temperature, top_k=top_k,
                                        top_p=top_p, min_p=min_p)
         session = ChatSession(engine, params, spec, system, ctx, completion)
+        show = _Shown(engine, wants_colour(no_color))
         if prompt is not None:
             text = []
             for delta in _warned(session, session.send(prompt)):
                 text.append(delta.text)
                 if not as_json:
-                    click.echo(delta.text, nl=False)
+                    click.echo(show(delta), nl=False)
             if as_json:
                 click.echo(json.dumps({"text": "".join(text), "finish_reason": session.last.finish_reason,
                                        "stats": stats_json(session.last)}))
             else:
                 click.echo()
-                click.echo(summary_line(session.last), err=True)
+                click.echo(summary_line(session.last, engine.speedup_estimate(session.last.stats)), err=True)
             return
-        _repl(session)
+        _repl(session, show, DEMO_PROMPT if engine_dir is None else None)
+
+
+class _Shown:
+    """How a delta is printed: its text, accepted drafts in colour when `colour`."""
+
+    def __init__(self, engine: Engine, colour: bool):
+        self.colour, self.engine = colour, engine
+
+    def __call__(self, delta: Delta) -> str:
+        return painted(delta, lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True), self.colour)
 
 
 def _warned(session, deltas):
@@ -182,11 +223,19 @@ def _warned(session, deltas):
         yield delta
 
 
-def _repl(session) -> None:
-    click.echo("DSpark chat. /help lists the commands, /exit quits; Ctrl+C stops a reply.", err=True)
+def _repl(session, show: _Shown, suggestion: str | None) -> None:
+    """The interactive chat; `suggestion` (the demo's prompt) is sent when the first line is empty."""
+    if suggestion:
+        click.echo(DEMO_INTRO.format(prompt=suggestion), err=True)
+    click.echo("DSpark chat. /help lists the commands, /exit quits; Ctrl+C stops a reply."
+               + (f" Accepted drafts are shown in {DRAFT_COLOUR}." if show.colour else ""), err=True)
     while True:
         try:
             line = input(">>> ")
+            if not line.strip() and suggestion:
+                line = suggestion
+                click.echo(f"(sending the suggested prompt) {line}", err=True)
+            suggestion = None
         except EOFError:
             click.echo()
             return
@@ -213,12 +262,12 @@ def _repl(session) -> None:
             continue
         try:
             for delta in _warned(session, session.send(line)):
-                click.echo(delta.text, nl=False)
+                click.echo(show(delta), nl=False)
         except KeyboardInterrupt:
             click.echo("\n(interrupted)", err=True)
         click.echo()
         if session.last:
-            click.echo(summary_line(session.last), err=True)
+            click.echo(summary_line(session.last, show.engine.speedup_estimate(session.last.stats)), err=True)
 
 
 @main.command()
@@ -363,7 +412,8 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
               help="Require `Authorization: Bearer KEY` (default: $DSPARK_API_KEY; none).")
 @click.option("--max-body", default="2MiB", show_default=True, help="Largest request body.")
 def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_body, threads) -> None:
-    """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream: true for SSE).
+    """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream: true for SSE), and a
+    web chat at / (open http://127.0.0.1:8000/ in a browser).
 
     \b
     Example client:
@@ -376,6 +426,8 @@ def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_bod
     limit = parse_size(max_body, "--max-body")
     with load_engine(engine_dir, threads) as engine:
         options = ServerOptions(model_name or engine.folder.name, spec, host, tuple(allow_host), api_key, limit)
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"web chat: http://{shown}:{port}/  (the OpenAI API under /v1)", err=True)
         run_server(engine, options, port)
 
 

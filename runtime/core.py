@@ -169,6 +169,7 @@ class EngineCore:
         if not verified:
             return 0, 0.0
         s.drafts, s.draft_probs, s.free = proposed, None, True
+        s.stats.drafted += len(proposed)
         self.gate_steps["free"] += 1
         return verified, float(np.sum(rate ** np.arange(1, verified + 1)))
 
@@ -278,9 +279,10 @@ class EngineCore:
             self.round_log.append(
                 (s.request_id, s.confidence_logits.copy(), accepted)
             )  # full-length rounds calibrate STS
+        s.verifications.append((0 if s.drafts is None else len(s.drafts), row.drafts, accepted))
         if row.drafts:
             s.stats.rounds += 1
-            s.stats.drafted += row.drafts
+            s.stats.verified += row.drafts
             s.stats.accepted += accepted
         if s.free:
             s.free_acceptance.add(row.drafts, accepted)
@@ -289,12 +291,13 @@ class EngineCore:
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
         if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
-        self._commit(s, drafts[:accepted].tolist() + [token], processed)
+        self._commit(s, drafts[:accepted].tolist() + [token], processed, drafted=accepted)
 
-    def _commit(self, s: Sequence, tokens: list[int], rows: np.ndarray) -> None:
+    def _commit(self, s: Sequence, tokens: list[int], rows: np.ndarray, drafted: int = 0) -> None:
         """Append a step's tokens to the request and decide whether it finishes: an end or stop token, its token
         budget, a full context, or a stop string in the text (which the text sink reports). `rows`: the processed
-        target rows the tokens were emitted at (their log-probabilities, when the request asks)."""
+        target rows the tokens were emitted at (their log-probabilities, when the request asks); the first
+        `drafted` tokens are accepted drafts."""
         if not np.isfinite(rows[np.arange(len(tokens)), tokens]).all():  # argmax and sampling both pick a NaN
             raise DSparkError("the target's logits for this request are not finite (NaN or inf): its numbers "
                               "overflowed; an fp32 engine may not")
@@ -303,8 +306,9 @@ class EngineCore:
             s.stats.first_token = time.perf_counter()
         s.anchor = tokens[-1]
         visible, reason, first_new = [], None, len(s.generated)
-        for token in tokens:
+        for index, token in enumerate(tokens):
             s.generated.append(token)
+            s.from_draft.append(index < drafted)
             if token in s.stop_ids:
                 reason = "stop"
                 break
@@ -338,6 +342,7 @@ class EngineCore:
         outputs = self._timed("drafter", self.drafter.run, batch)
         for index, s in enumerate(sequences):
             s.drafts = outputs["draft_tokens"][index]
+            s.stats.drafted += len(s.drafts)
             s.draft_probs = outputs["draft_probs"][index]
             s.confidence_logits = outputs["confidence_logits"][index] if "confidence_logits" in outputs else None
             s.survival = self._survival(s.confidence_logits, s.params.temperature)

@@ -66,6 +66,7 @@ class Request:
         self.engine, self._sequence, self.output, self.stream = engine, sequence, output, stream
         self.id, self.params, self.prompt_tokens = sequence.request_id, sequence.params, len(sequence.prompt)
         self.dropped_tokens = 0  # the prompt's first tokens left out to fit the context (`truncate=True`)
+        self.verifications_sent = 0  # of the sequence's verifications, those its deltas carried
         self.completion: Completion | None = None  # set by the step loop as the request ends
         self._changed = threading.Condition()
         self._deltas: list[Delta] = []
@@ -195,13 +196,13 @@ class Engine:
                      here)
         elsewhere = curve is not None and curve.get("machine") != here
         if drafter is not None and (curve is None or elsewhere):
-            where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve)}"
+            where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve, here)}"
             if profile:
                 print(f"profiling {folder.name} {where} (the speed curve the draft scheduler runs on; a few "
                       "seconds; `dspark-run profile` measures it more closely)...", file=sys.stderr)
                 engine.profile(rounds=QUICK_PROFILE_ROUNDS)
             elif elsewhere:
-                print(f"warning: {HARDWARE_CURVE} of {folder.name} was measured {_described(curve)}; `sync` and "
+                print(f"warning: {HARDWARE_CURVE} of {folder.name} was measured {_described(curve, here)}; `sync` and "
                       "`async` schedule from it until `dspark-run profile` measures this one", file=sys.stderr)
         return engine
 
@@ -215,6 +216,18 @@ class Engine:
     def has_speed_curve(self) -> bool:
         """Whether the engine is profiled, which `sync` and `async` need."""
         return self.core.curve is not None
+
+    def speedup_estimate(self, stats: RequestStats) -> float | None:
+        """What a request gained against the target alone by the speed curve: τ·t(1) over the cost of its mean step,
+        t(1 + drafts verified per step) plus the drafter's call on the steps that verified drafts. Overheads outside
+        the graphs are left out on both sides. None for an engine not profiled or a request without steps."""
+        curve = self.core.curve
+        if curve is None or not stats.steps:
+            return None
+        sizes = np.arange(1, len(curve.target_seconds) + 1)
+        verify = np.interp(1 + stats.verified / stats.steps, sizes, curve.target_seconds)
+        step = verify + curve.draft_time(1) * stats.rounds / stats.steps
+        return float(stats.tau * curve.target_seconds[0] / step)
 
     def step_seconds(self) -> dict[str, float]:
         """Seconds spent so far in steps, and in their parts: "schedule", "target", "drafter"."""
@@ -416,8 +429,12 @@ class Engine:
         if sequence.error is not None:
             request._deliver(sequence.error)
         elif delta is not None:
+            end = start + len(delta.token_ids)
+            delta.drafted = sequence.from_draft[start:end]
+            delta.verifications, request.verifications_sent = (sequence.verifications[request.verifications_sent :],
+                                                               len(sequence.verifications))
             if sequence.params.logprobs is not None:
-                delta.logprobs = sequence.logprobs[start : start + len(delta.token_ids)]
+                delta.logprobs = sequence.logprobs[start:end]
             request._deliver(delta)
 
     def shutdown(self) -> None:
@@ -436,9 +453,10 @@ class Engine:
         self.shutdown()
 
 
-def _described(curve: dict) -> str:
-    """Where a speed curve was measured, for a message."""
+def _described(curve: dict, here: dict) -> str:
+    """What differs between where a speed curve was measured and here, for a message."""
     record = curve.get("machine")
     if not isinstance(record, dict):
         return "by an older DSpark that did not record the machine"
-    return f"on {record.get('cpu')} with {record.get('threads')} thread(s), not on this machine and thread count"
+    changed = [f"{key} {record.get(key)} (here: {value})" for key, value in here.items() if record.get(key) != value]
+    return "with " + ", ".join(changed)

@@ -12,10 +12,33 @@ from dspark_runtime.sampling import TokenLogprob
 
 @dataclass
 class Delta:
+    """What a reply adds in one go: its text, the tokens behind it and where they came from."""
+
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    drafted: list[bool] = field(default_factory=list)  # one per token id: an accepted draft (else the target's own)
+    verifications: list[tuple[int, int, int]] = field(default_factory=list)  # per target step since the last delta:
+    # drafts proposed, verified, accepted
+
+    def spans(self, decode: Callable[[list[int]], str]) -> list[tuple[str, bool]]:
+        """The text cut into runs of drafted and target tokens, each token's share of it taken from decoding it
+        alone (for display: a character whose bytes span tokens goes to the run that completes it)."""
+        runs: list[tuple[str, bool]] = []
+        at = 0
+        for index, (token, drafted) in enumerate(zip(self.token_ids, self.drafted)):
+            last = index == len(self.token_ids) - 1
+            end = len(self.text) if last else min(len(self.text), at + len(decode([token]).rstrip("\ufffd")))
+            if end > at:
+                if runs and runs[-1][1] == drafted:
+                    runs[-1] = (runs[-1][0] + self.text[at:end], drafted)
+                else:
+                    runs.append((self.text[at:end], drafted))
+            at = end
+        if at < len(self.text):  # text without tokens (a final flush)
+            runs.append((self.text[at:], False))
+        return runs
 
 
 @dataclass

@@ -19,7 +19,8 @@ from dspark_runtime.spec_mode import SpecMode
 class Stats:
     steps: int = 0  # target steps in which this request produced tokens
     rounds: int = 0  # verification rounds with at least one draft
-    drafted: int = 0
+    drafted: int = 0  # draft tokens proposed (by the drafter, γ per call, or free)
+    verified: int = 0  # of them, sent to the target
     accepted: int = 0
     free_accepted: int = 0  # of `accepted`, free drafts (`dspark_runtime.ngram`)
     started: float = field(default_factory=time.perf_counter)
@@ -34,7 +35,10 @@ class Stats:
             steps=self.steps,
             rounds=self.rounds,
             accepted_per_step=self.accepted / self.rounds if self.rounds else 0.0,
-            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
+            acceptance_rate=self.accepted / self.verified if self.verified else 0.0,
+            drafted=self.drafted,
+            verified=self.verified,
+            accepted=self.accepted,
             free_drafts_accepted=self.free_accepted,
             tokens_per_s=(generated - 1) / decode_time if decode_time and generated > 1 else 0.0,
             ttft_s=ttft,
@@ -50,6 +54,9 @@ class RequestStats:
     rounds: int  # verification rounds with at least one draft
     accepted_per_step: float  # drafts accepted per round
     acceptance_rate: float  # drafts accepted per draft verified
+    drafted: int  # draft tokens proposed (by the drafter or free)
+    verified: int  # of them, verified by the target
+    accepted: int  # of them, accepted
     free_drafts_accepted: int  # accepted drafts that were free (`dspark_runtime.ngram`), not the drafter's
     tokens_per_s: float  # after the first token
     ttft_s: float | None  # seconds to the first token
@@ -81,6 +88,9 @@ class Sequence:
     free_acceptance: FreeDraftAcceptance = field(default_factory=FreeDraftAcceptance)
     ngrams: NgramIndex | None = None  # prompt and generated tokens, indexed for free drafts (sync/async)
     generated: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)  # per generated token: an accepted draft's (else the target's)
+    verifications: list[tuple[int, int, int]] = field(default_factory=list)  # per decoding step: drafts proposed,
+    # verified by the target, accepted
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)
     error: Exception | None = None  # why a request finished with "error"

@@ -1,8 +1,10 @@
 """`dspark-run serve`: an OpenAI-compatible HTTP server on one engine (Starlette + uvicorn).
 
-GET /v1/models, POST /v1/completions and /v1/chat/completions, with `stream: true` as server-sent events.
-Concurrent requests are batched by the engine's step loop. Built for a desktop where any web page the user
-opens can reach loopback:
+GET /v1/models, POST /v1/completions and /v1/chat/completions, with `stream: true` as server-sent events, and
+GET / a web chat (`dspark_runtime/web`: three static files, nothing fetched from elsewhere). Each streamed chunk
+also carries `dspark`: its text cut into drafted and target runs, the target steps behind it (drafts proposed,
+verified, accepted) and, on the last, the request's figures. Concurrent requests are batched by the engine's
+step loop. Built for a desktop where any web page the user opens can reach loopback:
 - a POST must be JSON (`Content-Type: application/json`): a page cannot send that without a CORS preflight,
   and this server grants none; a request from a foreign `Origin` is refused outright;
 - the `Host` header must name the address the server listens on (or one given with `--allow-host`), so a
@@ -21,10 +23,13 @@ import json
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
 from itertools import accumulate
 from typing import Any
 
 from dspark_runtime.engine import Completion, Engine, Request
+from dspark_runtime.output import Delta
 from dspark_common.errors import DSparkError, InvalidRequestError, MissingDependencyError
 from dspark_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dspark_common.tokenizer import ChatTokenizer
@@ -53,6 +58,15 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+WEB_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
+             "/chat.css": ("chat.css", "text/css; charset=utf-8")}
+WEB_HEADERS = {  # the page runs only its own script and style and talks only to this server
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 WILDCARD = {"0.0.0.0", "::", ""}
 
 
@@ -214,7 +228,7 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
         from starlette.applications import Starlette
         from starlette.concurrency import run_in_threadpool
         from starlette.requests import ClientDisconnect, Request as HttpRequest
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
     except ImportError:
         raise MissingDependencyError(
@@ -249,7 +263,17 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             check_request(request.headers, "GET", options, public=True)
         except HTTPError as exc:
             return error(exc)
-        return JSONResponse({"status": "ok", "model": model_name, **engine.status()})
+        return JSONResponse({"status": "ok", "model": model_name, **engine.status(), "gamma": engine.gamma,
+                             "profiled": engine.has_speed_curve, "temperature": engine.default_params().temperature})
+
+    async def web(request: HttpRequest) -> Response:
+        """The web chat's files (no API key to load them: the page asks for it when the API does)."""
+        try:
+            check_request(request.headers, "GET", options, public=True)
+        except HTTPError as exc:
+            return error(exc)
+        name, media_type = WEB_FILES[request.url.path]
+        return Response(web_file(name), media_type=media_type, headers=WEB_HEADERS)
 
     async def models(request: HttpRequest) -> JSONResponse:
         try:
@@ -352,7 +376,8 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
                 async for delta in deltas(request, handle):
                     logprobs = logprobs_json(delta.logprobs, engine.tokenizer, chat, sent)
                     part = {"delta": {"content": delta.text} if delta.text else {}} if chat else {"text": delta.text}
-                    yield chunk([{"index": 0, **part, "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+                    yield chunk([{"index": 0, **part, "logprobs": logprobs, "finish_reason": delta.finish_reason}],
+                                dspark=provenance(delta, handle))
                     sent += len(delta.text)
             except DSparkError as exc:  # this request failed: say so, and end its stream properly
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
@@ -371,10 +396,27 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
     async def method_not_allowed(request: HttpRequest, exc) -> JSONResponse:
         return error(HTTPError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    def provenance(delta: Delta, handle: Request) -> dict:
+        """A chunk's `dspark` object: drafted and target runs of its text, its target steps, and at the end the
+        request's figures and the speed curve's estimate of its gain over the target alone."""
+        extra: dict[str, Any] = {"spans": delta.spans(decode), "verifications": delta.verifications}
+        if delta.finish_reason is not None and handle.completion is not None:
+            stats = handle.completion.stats
+            extra |= {"stats": asdict(stats), "speedup_estimate": engine.speedup_estimate(stats)}
+        return extra
+
+    def decode(ids: list[int]) -> str:
+        return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    routes = [*(Route(path, web) for path in WEB_FILES), Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+
+
+@cache
+def web_file(name: str) -> bytes:
+    return (resources.files("dspark_runtime") / "web" / name).read_bytes()
 
 
 def usage_of(result: Completion) -> dict:

@@ -60,7 +60,8 @@ def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_pa
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     folder = demo_engine()
     manifest = read_manifest(folder)
-    assert set(manifest.sources) == {"target", "drafter", "target_counts"}  # the draft vocabulary's counts
+    # the draft vocabulary's counts and the generation defaults count as sources too
+    assert set(manifest.sources) == {"target", "drafter", "target_counts", "generation_config"}
     (folder / "hardware_curve.json").write_text("{}")  # a file only the cached engine has
     assert demo_engine() == folder and (folder / "hardware_curve.json").is_file()  # current: reused
     stale = json.loads((folder / "manifest.json").read_text())

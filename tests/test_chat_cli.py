@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,7 +38,8 @@ def test_interactive_chat(engine_dir):
     time.sleep(0.1)
     child.sendintr()  # Ctrl+C while the reply streams
     child.expect(r"\(interrupted\)")
-    child.expect(r"\[[\d.]+ tok/s, [\d.]+ tokens/step, [\d.]+ drafts accepted/round, .* tokens, cancelled\]")
+    child.expect(r"\[[\d.]+ tok/s, (~[\d.]+x the target alone \(est\. from the speed curve\), )?[\d.]+ tokens/step, "
+                 r"[\d.]+ drafts accepted/round \(\d+ of \d+ verified\), .* tokens, cancelled\]")
     child.expect(">>> ")
     child.sendline("/stats")
     child.expect(r'"finish_reason"')
@@ -57,6 +59,37 @@ def test_interactive_chat(engine_dir):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_the_first_run_on_the_demo_drafts_and_marks_the_drafts(tmp_path):
+    """From a fresh HOME: the demo says what it is and suggests a prompt that Enter sends; the reply drafts
+    (tokens/step well above 1) and its accepted drafts are in colour; piped, the same reply is plain text."""
+    from dspark_runtime.cli import DEMO_PROMPT
+
+    env = {"HOME": str(tmp_path), "DSPARK_HOME": str(tmp_path / "dspark"), "PATH": os.environ.get("PATH", ""),
+           "TERM": "xterm", "OMP_NUM_THREADS": "1"}
+    command = dspark_run("-n", "60", "--threads", "1")
+    child = pexpect.spawn(command[0], command[1:], encoding="utf-8", timeout=180, env=env)
+    child.expect("not an assistant")
+    child.expect("Try: " + DEMO_PROMPT)
+    child.expect(">>> ")
+    child.sendline("")  # Enter sends the suggestion
+    child.expect("sending the suggested prompt")
+    child.expect("\x1b\\[36m")  # an accepted draft, in cyan
+    child.expect(r"([\d.]+) tokens/step")
+    assert float(child.match.group(1)) > 2.0
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    piped = subprocess.run(dspark_run("-p", DEMO_PROMPT, "-n", "60", "--threads", "1"), capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert piped.returncode == 0 and piped.stdout.strip() and "\x1b[" not in piped.stdout
+    for variant, extra in ((env | {"NO_COLOR": "1"}, []), (env, ["--no-color"])):  # a terminal, told not to colour
+        command = dspark_run("-p", DEMO_PROMPT, "-n", "60", "--threads", "1", *extra)
+        child = pexpect.spawn(command[0], command[1:], encoding="utf-8", timeout=120, env=variant)
+        child.expect(pexpect.EOF)
+        assert "tokens/step" in child.before and "\x1b[36m" not in child.before
+        assert piped.stdout.strip().splitlines()[0] in child.before  # the same greedy reply
 
 
 def test_one_shot_and_json(engine_dir):

@@ -197,6 +197,31 @@ def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
             assert fast.stats.tau > 1.8
 
 
+def test_each_token_says_whether_it_was_an_accepted_draft(echo_engine_dir):
+    """A delta's `drafted` flags, its spans and its target steps add up to the request's figures; `off` drafts
+    nothing."""
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
+        decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        for spec in ("fixed:3", "off"):
+            request = engine.submit(PROMPTS[0], GREEDY, spec)
+            deltas = list(request)
+            stats = request.result().stats
+            for delta in deltas:
+                assert len(delta.drafted) == len(delta.token_ids)
+                assert "".join(text for text, _ in delta.spans(decode)) == delta.text
+            steps = [step for delta in deltas for step in delta.verifications]
+            assert len(steps) == stats.steps - 1  # every decoding step (the prefill drafts nothing)
+            assert sum(accepted for _, _, accepted in steps) == stats.accepted
+            assert sum(verified for _, verified, _ in steps) == stats.verified
+            assert sum(proposed for proposed, _, _ in steps) <= stats.drafted
+            flags = [flag for delta in deltas for flag in delta.drafted]
+            assert stats.accepted - 1 <= sum(flags) <= stats.accepted  # less an accepted end token, never shown
+            if spec == "off":
+                assert not any(flags) and stats.drafted == stats.verified == 0
+            else:
+                assert sum(flags) > len(flags) / 3  # the echo drafter is right most of the time
+
+
 def test_bench_command(engine_dir, tmp_path):
     from click.testing import CliRunner
 
@@ -316,7 +341,7 @@ def test_a_curve_from_another_machine_or_thread_count_is_measured_again(echo_eng
     write_curve(folder, [0.001] * 32, [0.001] * 8, threads=2)  # this machine, but two threads
     with Engine.load(folder, OrtBackend(threads=1), profile=False):
         pass
-    assert "was measured on" in capsys.readouterr().err  # kept, with a warning
+    assert "was measured with threads 2 (here: 1)" in capsys.readouterr().err  # kept, with a warning naming why
     with Engine.load(folder, OrtBackend(threads=1)) as engine:
         assert engine.machine["threads"] == 1
     assert "profiling engine again" in capsys.readouterr().err

@@ -35,7 +35,9 @@ DEMO_CONFIG = DecoderConfig(
     dtype="bfloat16",
 )
 def write_generation_config(folder: Path) -> None:
-    config = {"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    """Greedy by default: the demo exists to show drafting, and a 13.5M-parameter model sampled at T=0.7 writes
+    noise its drafter cannot predict (the gate then rightly keeps drafting off). A real model keeps its own."""
+    config = {"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
