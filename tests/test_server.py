@@ -280,6 +280,18 @@ def test_a_hostile_request_gets_a_clear_4xx_and_hurts_no_other_request(server, r
     assert httpx.get(url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
 
 
+def test_the_web_chat_is_served_under_the_same_host_and_origin_rules(server):
+    url, _ = server
+    port = url.rsplit(":", 1)[1]
+    for path, kind in (("/", "text/html"), ("/chat.js", "text/javascript"), ("/chat.css", "text/css")):
+        page = httpx.get(url + path, timeout=30)
+        assert page.status_code == 200 and page.headers["content-type"].startswith(kind) and page.content
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "/chat.js" in httpx.get(url + "/").text and "http" not in httpx.get(url + "/").text  # nothing external
+    assert httpx.get(url + "/", headers={"host": f"evil.example:{port}"}).status_code == 403
+    assert httpx.get(url + "/chat.js", headers={"origin": "http://evil.example"}).status_code == 403
+
+
 def test_what_a_web_page_could_send_is_refused(server):
     url, _ = server
     port = url.rsplit(":", 1)[1]
