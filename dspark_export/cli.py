@@ -1,4 +1,4 @@
-"""`dspark-export`: inspect targets (and, as they land, train drafters and build engines)."""
+"""`dspark-export`: inspect targets, train and evaluate drafters, convert them between layouts, build engines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
 from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
 from dspark_common.graph_io import DRAFTER_TYPES
-
-STREAMED_TARGET_BYTES = 1 << 30  # `train` reads a larger target's layers from its checkpoint as they run
 
 
 def target_options(command):
@@ -123,7 +121,7 @@ def default_to_demo(target: str | None, target_path: str | None) -> tuple[str | 
 
 @click.group(cls=DSparkGroup)
 def main() -> None:
-    """Export Qwen3 targets and DSpark drafters for the DSpark runtime."""
+    """Build DSpark engines: Qwen3, Qwen2.5 and Llama-3 targets with trained drafters, for the DSpark runtime."""
 
 
 @main.command()
@@ -157,10 +155,10 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 @click.option("--drafter-type", type=click.Choice(DRAFTER_TYPES), default="dspark", show_default=True)
 @click.option(
     "--head",
-    type=click.Choice(["markov", "rnn"]),
+    type=click.Choice(["markov", "gated", "rnn"]),
     default="markov",
     show_default=True,
-    help="DSpark's sequential head.",
+    help="DSpark's sequential head: the paper's Markov bias, DeepSpec's gated variant, or the RNN head.",
 )
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True, help="Drafter layers.")
 @click.option("--gamma", type=click.IntRange(min=1), default=7, show_default=True, help="γ: draft tokens per round.")
@@ -240,50 +238,20 @@ def train(
       dspark-export train --target demo --drafter-type dspark --data build/demo/distill.npz --out drafters/dspark
     The run folder OUT.run keeps checkpoints: rerun the same command to resume.
     """
-    import dataclasses
     from pathlib import Path
 
-    import torch
-
-    from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter
-    from dspark_export.drafters.data import Sequences
-    from dspark_export.drafters.draft_vocab import SOURCE_KEY, token_counts, write_counts
-    from dspark_export.drafters.train import DrafterTrainConfig, new_drafter_config, train_drafter
-    from dspark_export.loading import lm_head_weight, load_drafters, load_target
+    from dspark_export.drafters.recipe import DrafterShape, train_for_target
+    from dspark_export.drafters.train import DrafterTrainConfig
     from dspark_export.presets import resolve_target
 
     spec = resolve_target(*default_to_demo(target, target_path))
-    formats = weight_formats(target_weights)
-    # a target past STREAMED_TARGET_BYTES runs layer by layer from its checkpoint: the same features without its
-    # layers in memory (7 GB at Qwen3-1.7B shapes); a new drafter over a draft vocabulary has its own LM head, so
-    # the target's is read only when its logits are (2.5 GB at Qwen3-8B's)
-    streamed = sum(f.stat().st_size for f in spec.require_path().glob("*.safetensors")) > STREAMED_TARGET_BYTES
-    stream_head = streamed and draft_vocab is not None and init_from is None
-    streaming = {"streamed": streamed, "stream_head": stream_head}
-    model, tokenizer = load_target(spec, **streaming)
-    layers_list = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
-    start = init_from and load_drafters(spec, model, tokenizer, [init_from])[init_from]
-    config = start.config if start else new_drafter_config(spec, tokenizer, drafter_type, head, layers, gamma,
-                                                           markov_rank, layers_list)
-    config = dataclasses.replace(config, extra=config.extra | {"distilled_from": target_weights})
-    if draft_vocab is not None:
-        draft_vocab = dataclasses.replace(draft_vocab, counts=draft_vocab.counts or tuple(map(Path, data)))
-        ids, origin = draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size)
-        config = dataclasses.replace(config, draft_vocab_size=len(ids), own_lm_head=True,
-                                     extra=config.extra | {SOURCE_KEY: origin})
-    drafter = build_drafter(config)
-    if start:
-        drafter.load_state_dict(start.state_dict())
-    attach_target(drafter, model)
-    if draft_vocab is not None:
-        drafter.draft_from(torch.from_numpy(ids),  # (a streamed head is read for this and let go: 2.3 GiB at 8B)
-                           lm_head_weight(spec) if stream_head else model.lm_head.weight.detach())
-    cfg = DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr)
-    targets = [model if name == "fp32" else load_target(spec, weights=name, **streaming)[0] for name in formats]
-    train_drafter(drafter, targets, Sequences.load(*data), Path(out + ".run"), cfg, threads=threads, until=until)
-    if until is None or until >= steps:
-        save_drafter(drafter, out, save_dtype)
-        write_counts(Path(out), *token_counts(tuple(map(Path, data)), spec.config.vocab_size, tokenizer.vocab_size))
+    shape = DrafterShape(drafter_type, head, layers, gamma, markov_rank,
+                         tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None)
+    written = train_for_target(spec, shape, tuple(map(Path, data)), Path(out),
+                               DrafterTrainConfig(steps=steps, batch=batch, anchors=anchors, lr=lr),
+                               init_from=init_from, target_weights=tuple(weight_formats(target_weights)),
+                               draft_vocab=draft_vocab, save_dtype=save_dtype, threads=threads, until=until)
+    if written:
         click.echo(f"drafter written to {out}")
 
 

@@ -1,6 +1,6 @@
 """Drafters compared the way users choose: end-to-end speed, one engine per drafter, in one run.
 
-    python scripts/compare_drafters.py demo-dspark demo-eagle3 demo-eagle3@3 --limit 10 --repeats 3 --work build/compare
+    python scripts/compare_drafters.py demo-dspark demo-eagle3 demo-eagle3@3 --limit 10 --rounds 3 --work build/compare
 
 For each drafter (a folder or bundled name, any layout `build` reads; `NAME@K` builds an EAGLE-3 drafter
 unrolled K steps a round, as `build --gamma K` does): an engine for the demo target at
@@ -9,7 +9,7 @@ temperature on held-out prompts the benchmark does not use (the first `--skip` o
 temperature and domain, the `--limit` prompts after those (each generation ends at the end-of-sequence token or
 `--max-tokens`, as a user sees it: past the end the target writes text no drafter was trained on, most of a
 math answer's 128 tokens) through `off`, `fixed:K` for each K of
-`--fixed` and `async` (`--repeats` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
+`--fixed` and `async` (`--rounds` rounds in turn; medians, ratios within rounds). Prints a Markdown table per
 temperature, a row per drafter and domain and a macro row: τ and the drafter's share of a step at `fixed:γ`,
 `off`, the best `fixed:K` and `async` in tokens/s and against `off`, and the best of those modes against `off` and
 against the first drafter named; `--json FILE` keeps every figure, `--table FILE [NAME ...]` prints its tables again.
@@ -57,7 +57,7 @@ def bench_drafter(name: str, args) -> dict:
         for temperature in args.temperatures:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature)
             for domain in DOMAINS:
-                report = run_benchmark(engine, by_domain[domain], modes, [1], params, repeats=args.repeats)
+                report = run_benchmark(engine, by_domain[domain], modes, [1], params, rounds=args.rounds)
                 figures.setdefault(temperature, {})[domain] = {r["mode"]: r for r in report["results"]}
                 print(f"{name} T={temperature:g} {domain}: " + ", ".join(
                     f"{r['mode']} {r['tokens_per_s']:.0f}" for r in report["results"]), file=sys.stderr)
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10, help="benchmark prompts per domain")
     parser.add_argument("--skip", type=int, default=30, help="prompts per domain for STS, before the benchmark's")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3)
     parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])
     parser.add_argument("--fixed", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 3, 5, 7])
     parser.add_argument("--threads", type=int, default=None)

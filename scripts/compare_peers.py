@@ -9,7 +9,7 @@ Every runner (each peer, and the DSpark engine once for all of `--modes`) lives 
 best thread settings, so no runner's thread pool spins on the cores another needs. Each round, every runner in
 turn generates `--max-tokens` tokens for every prompt from the same token ids (a block of prompts per runner, so
 that one runner's spinning threads settle before the next starts), timed inside its process with prefill included;
-`--repeats` rounds, the runners taking turns to go first. Medians of tokens/s, their ratios within rounds, the time
+`--rounds` rounds, the runners taking turns to go first. Medians of tokens/s, their ratios within rounds, the time
 to first token of a `--ttft-tokens` prompt and the processor with its vector extensions are printed, and greedy
 outputs are compared.
 
@@ -20,7 +20,7 @@ At real size (a pair grown by `../shared/tools/grow/grow.py`, weights generated,
         --cache-slots 1 --max-context 2048 --out /tmp/e17 --force && dspark-run profile /tmp/e17
     python scripts/compare_peers.py /tmp/e17 --checkpoint /tmp/grown17/target --drafter /tmp/grown17/drafter \
         --peers ort-genai,llama.cpp,llama.cpp-dspark:3 --llama-cpp VENDOR/llama.cpp --limit 5 --max-tokens 64 \
-        --repeats 3 --modes off,async,fixed:3,fixed:7 [--temperature 1]
+        --rounds 3 --modes off,async,fixed:3,fixed:7 [--temperature 1]
 
 Peers run the checkpoint at the engine's weight precision.
 
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--ttft-tokens", type=int, default=400,
                         help="time to first token of a prompt this long, per runner and round (0: skip)")
     parser.add_argument("--modes", default="off,async", help="DSpark speculation modes (the first is the reference)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds over the prompts")
+    parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=1, help="rounds over the prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--peers", default="transformers",
                         help="comma-separated: transformers, ort-genai, llama.cpp, llama.cpp-dspark:K")
@@ -352,7 +352,7 @@ def main() -> None:
     agree = {name: 0 for _, name in order}
     for runner, name in order:  # warm-up
         runner.generate(name, prompts[0], args.max_tokens)
-    for round_ in range(args.repeats):
+    for round_ in range(args.rounds):
         outputs: dict[str, list[list[int]]] = {}
         shift = round_ % len(order)  # the runners take turns going first
         for runner, name in order[shift:] + order[:shift]:
@@ -375,7 +375,7 @@ def main() -> None:
     ratio = lambda a, b: round(float(np.median([r[a] / r[b] for r in by_round])), 2)  # noqa: E731
     report = {
         "engine": str(engine_dir), "weights": precision, "cpu": cpu_line(), "prompts": len(rows),
-        "repeats": args.repeats, "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
+        "rounds": args.rounds, "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
         "temperature": args.temperature,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
         "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in modes for name in medians

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from dspark_export.cli import main  # noqa: E402
 from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from dspark_export.config import DecoderConfig  # noqa: E402
-from dspark_common.engine_dir import EngineError, read_manifest  # noqa: E402
+from dspark_common.engine_dir import read_manifest  # noqa: E402
+from dspark_common.errors import EngineError  # noqa: E402
 from tests.conftest import write_drafter, write_hf_checkpoint  # noqa: E402
 
 

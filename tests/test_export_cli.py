@@ -15,6 +15,16 @@ from dspark_export.demo.tokenizer import train_tokenizer  # noqa: E402
 from tests.conftest import write_hf_checkpoint, write_sequences  # noqa: E402
 
 
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_train_takes_each_sequential_head(tmp_path, tiny_target, head):
+    write_sequences(tmp_path / "data.npz")
+    trained = CliRunner().invoke(main, ["train", "--target-path", str(tiny_target), "--head", head, "--gamma", "3",
+                                        "--data", str(tmp_path / "data.npz"), "--out", str(tmp_path / "d"),
+                                        "--steps", "2", "--batch", "2", "--anchors", "2"])
+    assert trained.exit_code == 0, trained.output
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["head"] == head
+
+
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_train_then_eval(tmp_path, tiny_target, kind):
     write_sequences(tmp_path / "data.npz")
@@ -139,8 +149,7 @@ def test_training_beside_a_streamed_target_learns_exactly_what_it_learns_beside_
     optimizer), forced on a tiny one: the same drafter as with the target in memory."""
     from safetensors.numpy import load_file
 
-    from dspark_export import cli
-    from dspark_export.drafters import train
+    from dspark_export.drafters import recipe, train
     from tests.conftest import TEXT
 
     target = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=False, vocab_size=300)
@@ -149,7 +158,7 @@ def test_training_beside_a_streamed_target_learns_exactly_what_it_learns_beside_
     monkeypatch.setattr(train, "COMPACT_OPTIMIZER_PARAMS", 0)
     drafters = []
     for limit in (1 << 40, 0):  # resident, then streamed
-        monkeypatch.setattr(cli, "STREAMED_TARGET_BYTES", limit)
+        monkeypatch.setattr(recipe, "STREAMED_TARGET_BYTES", limit)
         out = tmp_path / f"drafter-{limit}"
         torch.manual_seed(0)  # the new drafter's initial weights
         result = CliRunner().invoke(main, ["train", "--target-path", str(target), "--data", str(tmp_path / "data.npz"),

@@ -22,7 +22,8 @@ from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from dspark_export.graphs.weights import ONNX_DTYPES  # noqa: E402
 from dspark_export.presets import resolve_target  # noqa: E402
 from dspark_runtime import DSparkError, Engine, OrtBackend, SamplingParams  # noqa: E402
-from dspark_common.engine_dir import EngineError, read_manifest  # noqa: E402
+from dspark_common.engine_dir import read_manifest  # noqa: E402
+from dspark_common.errors import EngineError  # noqa: E402
 from dspark_common.graph_io import DRAFTER_TYPES, GraphIO, drafter_io, target_io  # noqa: E402
 from tests.conftest import TEXT, write_drafter, write_hf_checkpoint  # noqa: E402
 

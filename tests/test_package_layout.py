@@ -1,5 +1,7 @@
-"""The import graph: the exporter and the runtime share only `dspark_common`, which imports neither; the runtime
-reaches the exporter once, where its command line builds the bundled demo on first use."""
+"""The layout: every folder is named as the package it installs (pyproject's `package-dir`), and the import graph
+of all packages, function-level imports included, has only the edges of one table: `dspark_common` (the engine
+format) and `dspark_calibration` (numpy statistics) import no other package, the torch-free runtime never the
+exporter but once, where its command line builds the bundled demo on first use."""
 
 from __future__ import annotations
 
@@ -7,40 +9,56 @@ import ast
 import importlib.util
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"dspark_common": ROOT / "common", "dspark_runtime": ROOT / "runtime",
-            "dspark_export": ROOT / "dspark_export"}
-ALLOWED = {("dspark_runtime.cli", "dspark_export.demo.engine")}  # dspark-run's first use builds the demo
+PACKAGES = {name: ROOT / folder for name, folder in
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()}
+ALLOWED_EDGES = {  # package -> the packages it may import
+    "dspark_common": set(),
+    "dspark_calibration": set(),
+    "dspark_plugins": {"dspark_common"},
+    "dspark_runtime": {"dspark_common", "dspark_calibration"},
+    "dspark_export": {"dspark_common", "dspark_calibration", "dspark_plugins"},
+}
+ALLOWED_IMPORTS = {("dspark_runtime.cli", "dspark_export.demo.engine")}  # dspark-run's first use builds the demo
 
 
 def imports(package: str) -> set[tuple[str, str]]:
-    """(module, imported module) for every import in a package, function-level ones included."""
+    """(module, imported module) for every absolute import in a package, function-level ones included."""
     found = set()
     for file in PACKAGES[package].rglob("*.py"):
         module = ".".join([package, *file.relative_to(PACKAGES[package]).with_suffix("").parts]).removesuffix(
             ".__init__")
         for node in ast.walk(ast.parse(file.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 found.add((module, node.module))
             elif isinstance(node, ast.Import):
                 found |= {(module, alias.name) for alias in node.names}
     return found
 
 
-def crossing(package: str, others: tuple[str, ...]) -> set[tuple[str, str]]:
-    return {(m, target) for m, target in imports(package) if target.split(".")[0] in others} - ALLOWED
+def test_every_folder_is_named_as_its_package():
+    assert set(PACKAGES) == set(ALLOWED_EDGES)
+    for package, folder in PACKAGES.items():
+        assert folder.name == package and (folder / "__init__.py").is_file(), folder
+    top_level = {path.parent.relative_to(ROOT).parts[0] for path in ROOT.glob("*/**/__init__.py")} - {"tests", "build"}
+    assert top_level == {"dspark_export", "runtime", "plugins", "calibration"}  # no package outside the layout
 
 
-def test_the_exporter_and_the_runtime_share_only_dspark_common():
-    assert crossing("dspark_common", ("dspark_runtime", "dspark_export")) == set()
-    assert crossing("dspark_export", ("dspark_runtime",)) == set()
-    assert crossing("dspark_runtime", ("dspark_export",)) == set()
-    assert ("dspark_export.graphs.target", "dspark_common.graph_io") in imports("dspark_export")  # the check sees
-
+def test_the_import_graph_has_only_the_allowed_edges():
+    edges = {}
+    for package in PACKAGES:
+        for module, target in imports(package) - ALLOWED_IMPORTS:
+            other = target.split(".")[0]
+            if other in PACKAGES and other != package:
+                edges.setdefault((package, other), module)
+    unexpected = {edge: module for edge, module in edges.items() if edge[1] not in ALLOWED_EDGES[edge[0]]}
+    assert not unexpected, f"imports outside the allowed edges (package pair: first module): {unexpected}"
+    assert ("dspark_export", "dspark_common") in edges and ("dspark_runtime", "dspark_calibration") in edges  # seen
 
 
 @pytest.mark.parametrize("package, command", [("dspark_runtime", "dspark-run"), ("dspark_export", "dspark-export")])

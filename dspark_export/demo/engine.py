@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dspark_common.engine_dir import EngineError, read_manifest
+from dspark_common.engine_dir import read_manifest
+from dspark_common.errors import EngineError
 
 
 def demo_engine() -> Path:

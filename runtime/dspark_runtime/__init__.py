@@ -1,4 +1,4 @@
-"""DSpark runtime: numpy + ONNX Runtime (or TensorRT), never torch.
+"""DSpark runtime: numpy + ONNX Runtime, never torch (a TensorRT runner is not written yet).
 
     from dspark_runtime import Engine, SamplingParams
     engine = Engine.load("engines/q8")  # an engine directory (dspark_export.demo_engine() is the bundled demo's)

@@ -94,10 +94,10 @@ def _summary(spec: str, concurrency: int, results: list, elapsed: float, spent: 
 
 
 def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrencies: list[int], params: SamplingParams,
-                  progress: Callable[[dict], None] | None = None, repeats: int = 1) -> dict:
+                  progress: Callable[[dict], None] | None = None, rounds: int = 1) -> dict:
     """Every (mode, concurrency) pair; `ratio_to_off` against `off` at the same concurrency when measured.
 
-    With `repeats` > 1 the modes run in turn, round after round, and each figure is the median over the
+    With `rounds` > 1 the modes run in turn, round after round, and each figure is the median over the
     rounds; a ratio is taken within its round first (`ratio_to_off_by_round`), so that the machine's drift
     between rounds does not land on one mode. One request at a time, the modes take turns prompt by prompt
     (`run_interleaved`).
@@ -105,17 +105,17 @@ def run_benchmark(engine: Engine, rows: list[dict], modes: list[str], concurrenc
     engine.generate(prompt_of(rows[0]), replace(params, max_tokens=4), spec=modes[0], truncate=True)  # warm-up
     results = []
     for concurrency in concurrencies:
-        rounds = []
-        for _ in range(repeats):
-            rounds.append(run_interleaved(engine, rows, params, modes) if concurrency == 1 else
-                          [run_mode(engine, rows, params, mode, concurrency) for mode in modes])
-            for result in rounds[-1]:
-                _add_ratios(result, rounds[-1])
+        measured = []
+        for _ in range(rounds):
+            measured.append(run_interleaved(engine, rows, params, modes) if concurrency == 1 else
+                            [run_mode(engine, rows, params, mode, concurrency) for mode in modes])
+            for result in measured[-1]:
+                _add_ratios(result, measured[-1])
                 if progress:
                     progress(result)
-        results += [_median_of(list(by_mode)) for by_mode in zip(*rounds)]
+        results += [_median_of(list(by_mode)) for by_mode in zip(*measured)]
     return {"engine": str(engine.folder), "prompts": len(rows), "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "repeats": repeats, "results": results}
+            "temperature": params.temperature, "rounds": rounds, "results": results}
 
 
 def _add_ratios(result: dict, same_round: list[dict]) -> None:

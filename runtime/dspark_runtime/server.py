@@ -1,7 +1,7 @@
 """`dspark-run serve`: an OpenAI-compatible HTTP server on one engine (Starlette + uvicorn).
 
 GET /v1/models, POST /v1/completions and /v1/chat/completions, with `stream: true` as server-sent events, and
-GET / a web chat (`dspark_runtime/web`: three static files, nothing fetched from elsewhere). Each streamed chunk
+GET / a web chat (`runtime/dspark_runtime/web`: three static files, nothing fetched from elsewhere). Each streamed chunk
 also carries `dspark`: its text cut into drafted and target runs, the target steps behind it (drafts proposed,
 verified, accepted) and, on the last, the request's figures. Concurrent requests are batched by the engine's
 step loop. Built for a desktop where any web page the user opens can reach loopback:

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_common.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, EngineError, Manifest
+from dspark_common.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
+from dspark_common.errors import EngineError
 from dspark_common.errors import DSparkError, MissingDependencyError
 from dspark_common.graph_io import GraphIO
 from dspark_runtime.kv_cache import KVCache

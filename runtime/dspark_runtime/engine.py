@@ -20,7 +20,6 @@ from dspark_runtime.core import EngineCore
 from dspark_runtime.backend import OrtBackend
 from dspark_common.engine_dir import (
     HARDWARE_CURVE,
-    EngineError,
     Manifest,
     read_calibration,
     read_manifest,
@@ -28,7 +27,7 @@ from dspark_common.engine_dir import (
     sts_by_temperature,
 )
 from dspark_common.engine_checks import REBUILD
-from dspark_common.errors import DSparkError, InvalidRequestError, read_json_file
+from dspark_common.errors import DSparkError, EngineError, InvalidRequestError, read_json_file
 from dspark_runtime.output import Delta, OutputState
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.runner import Backend, GraphRunner

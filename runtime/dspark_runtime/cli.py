@@ -285,11 +285,13 @@ def _repl(session, show: _Shown, suggestion: str | None) -> None:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-tokens per prompt even past the end-of-text token.")
 @click.option(
+    "--rounds",
     "--repeats",
+    "rounds",
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Rounds of all modes in turn; figures are medians, ratios taken within each round.",
+    help="Rounds of all modes in turn; figures are medians, ratios taken within each round (as `profile --rounds`).",
 )
 @click.option("--domains", default=None, help="Comma-separated prompt domains to keep (default: all).")
 @click.option(
@@ -304,7 +306,7 @@ def bench(
     max_tokens,
     temperature,
     ignore_eos,
-    repeats,
+    rounds,
     threads,
     domains,
     plot,
@@ -315,7 +317,7 @@ def bench(
     \b
     Example:
       dspark-run bench --modes off,fixed:2,fixed:4 --concurrency 1,4 --limit 10 --json
-      dspark-run bench --modes off,fixed:7 --domains code --limit 10 --repeats 5
+      dspark-run bench --modes off,fixed:7 --domains code --limit 10 --rounds 5
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
     from dspark_runtime.sampling import SamplingParams
@@ -334,7 +336,7 @@ def bench(
                        f"drafter {result['drafter_share_of_step_time']:.0%}", err=True)
 
     with load_engine(engine_dir, threads) as engine:
-        report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, repeats)
+        report = run_benchmark(engine, rows, [m.strip() for m in modes.split(",")], concurrency, params, show, rounds)
     click.echo(json.dumps(report, indent=None if as_json else 2))
     if plot and not plot_frontier(report, plot):
         raise click.ClickException("--plot needs matplotlib: pip install 'dspark[export]' (the figures above stand)")

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_common.engine_checks import REBUILD, EngineError, check_calibration, check_manifest, check_speed_curve
-from dspark_common.errors import read_json_file
+from dspark_common.engine_checks import REBUILD, check_calibration, check_manifest, check_speed_curve
+from dspark_common.errors import EngineError, read_json_file
 from dspark_common.graph_io import GraphIO, drafter_io, target_io
 
 FORMAT_VERSION = 4  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt

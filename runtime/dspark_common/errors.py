@@ -29,6 +29,10 @@ class CheckpointError(DSparkError):
     """A checkpoint that is missing, incomplete, corrupt or does not match its configuration."""
 
 
+class EngineError(DSparkError):
+    """An engine directory that is missing, stale, altered or corrupt."""
+
+
 def read_json_file(file: Path, error: type[DSparkError] = DSparkError, remedy: str | None = None) -> dict:
     """A JSON object from `file`, or one `error` line naming the file, what is wrong with it and (given) the remedy:
     the one JSON reader of configs, manifests and the files profiling and calibration write."""
