@@ -262,6 +262,8 @@ def train(
 )
 @prompt_options
 @click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option(
     "--max-new", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens generated per prompt."
 )
@@ -271,9 +273,9 @@ def train(
               help="The target's weights as an engine of that format holds them.")
 @draft_vocab_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def evaluate_command(target, target_path, drafters, rows, temperature, max_new, seed, plot, target_weights,
-                     draft_vocab, as_json) -> None:
-    """Measure drafters offline: real drafting and the lossless acceptance rule on target generations.
+def evaluate_command(target, target_path, drafters, rows, temperature, top_k, top_p, max_new, seed, plot,
+                     target_weights, draft_vocab, as_json) -> None:
+    """Measure drafters offline: real drafting and the step loop's lossless rule on target generations.
 
     \b
     Example:
@@ -283,6 +285,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
 
     from tqdm import tqdm
 
+    from dspark_common.sampling import SamplingParams
     from dspark_export.drafters.evaluate import evaluate, plot_acceptance
     from dspark_export.loading import load_drafters, load_target
     from dspark_export.presets import resolve_target
@@ -293,9 +296,8 @@ def evaluate_command(target, target_path, drafters, rows, temperature, max_new, 
     results = []
     for name, drafter in loaded.items():
         with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:
-            result = {"drafter": name} | evaluate(
-                model, drafter, rows, tokenizer, temperature, max_new, seed, bar.update
-            )
+            params = SamplingParams(max_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p)
+            result = {"drafter": name} | evaluate(model, drafter, rows, tokenizer, params, seed, bar.update)
         results.append(result)
     if plot:
         plot_acceptance(results, plot)

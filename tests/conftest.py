@@ -167,7 +167,7 @@ from dspark_runtime import SamplingParams  # noqa: E402
 from dspark_runtime.backend import OrtBackend  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
 from dspark_common.engine_dir import read_manifest  # noqa: E402
-from dspark_runtime.sampling import target_rows  # noqa: E402
+from dspark_common.lossless import target_rows  # noqa: E402
 
 SAMPLES = 3000
 

@@ -14,6 +14,7 @@ from dspark_export.drafters.anchors import block_mask, build_blocks  # noqa: E40
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, load_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig, default_feature_layers  # noqa: E402
 from dspark_export.drafters.data import Sequences  # noqa: E402
+from dspark_common.sampling import SamplingParams  # noqa: E402
 from dspark_export.drafters.losses import DSPARK_WEIGHTS, drafter_loss  # noqa: E402
 from dspark_export.drafters.train import DrafterTrainConfig, train_drafter  # noqa: E402
 from dspark_export.model import DecoderModel  # noqa: E402
@@ -203,7 +204,7 @@ def test_greedy_speculative_generation_equals_target_greedy(target, kind):
     with torch.no_grad():
         for _ in range(20):
             ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    generation = speculative_generate(target, drafter, prompt, max_new=20, temperature=0.0, seed=0)
+    generation = speculative_generate(target, drafter, prompt, SamplingParams(max_tokens=20, temperature=0.0), seed=0)
     assert generation.tokens == ids[0, len(prompt):].tolist()
     summary = summarize(generation.rounds, gamma=4)
     assert 1.0 <= summary["tau"] <= 5.0 and len(summary["per_position_acceptance"]) == 4
@@ -228,7 +229,7 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(target):
         return Draft(tokens, torch.nn.functional.one_hot(tokens, TARGET.vocab_size).float(), torch.ones(tokens.shape))
 
     generation = speculative_generate(
-        target, Oracle(), [5, 9, 11], max_new=15, temperature=0.0, seed=0, draft_fn=oracle_draft
+        target, Oracle(), [5, 9, 11], SamplingParams(max_tokens=15, temperature=0.0), seed=0, draft_fn=oracle_draft
     )
     assert [r.accepted for r in generation.rounds] == [4, 4, 4]
 

@@ -33,7 +33,7 @@ from dspark_runtime.backend import OrtRunner
 from dspark_runtime.batches import TargetBatch
 from dspark_common.graph_io import target_io
 from dspark_common.prompts import demo_prompts_path, read_prompts
-from dspark_runtime.sampling import SamplingParams
+from dspark_common.sampling import SamplingParams
 
 SCALE = 300.0
 OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-import dspark_runtime.core as core
-from dspark_common.verify import sample
+import dspark_common.lossless as lossless
+from dspark_common.lossless import sample
 from dspark_runtime import Engine, OrtBackend, SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -50,7 +50,7 @@ def test_spec_sampling_matches_the_target_and_a_wrong_verifier_fails(skewed_engi
         joint = exact_joint(skewed_engine_dir, prompt, params)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) > 1e-3
 
-        monkeypatch.setattr(core, "verify_sampled", no_residual)
+        monkeypatch.setattr(lossless, "verify_sampled", no_residual)
         assert p_value(sample_pairs(engine, prompt, params, "fixed:3"), joint) < 1e-6
 
 
@@ -92,5 +92,5 @@ def test_free_drafts_sample_the_target_and_unchecked_drafts_fail(skewed_engine_d
         def unchecked(target_probs, draft_probs, draft_tokens, uniform):
             return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
 
-        monkeypatch.setattr(core, "verify_sampled", unchecked)
+        monkeypatch.setattr(lossless, "verify_sampled", unchecked)
         assert p_value(sample_pairs(engine, prompt, params, "async"), joint) < 1e-6

@@ -197,6 +197,25 @@ def test_accepted_drafts_are_committed_correctly(echo_engine_dir):
             assert fast.stats.tau > 1.8
 
 
+def test_a_stop_string_ends_the_request_where_its_text_is_made(echo_engine_dir):
+    """The text ends before the stop string, in every mode and streamed or not, the request finishes "stop" at once
+    (no token after the step that completed it) and its slot is free."""
+    from dataclasses import replace
+
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
+        plain = engine.generate(PROMPTS[4], GREEDY, spec="off").text
+        stop = plain[len(plain) // 3 : len(plain) // 3 + 3]
+        params = replace(GREEDY, stop=(stop,))
+        for spec in ("off", "fixed:3"):
+            for stream in (True, False):
+                request = engine.submit(PROMPTS[4], params, spec, stream=stream)
+                text = "".join(delta.text for delta in request)
+                reply = request.result()
+                assert reply.finish_reason == "stop" and text == reply.text == plain[: plain.index(stop)], spec
+                assert stop not in text and reply.completion_tokens < GREEDY.max_tokens
+        assert engine.status()["free_slots"] == engine.status()["slots"]
+
+
 def test_each_token_says_whether_it_was_an_accepted_draft(echo_engine_dir):
     """A delta's `drafted` flags, its spans and its target steps add up to the request's figures; `off` drafts
     nothing."""

@@ -8,7 +8,7 @@ import pytest
 
 from dspark_runtime.scheduler import (AsyncScheduler, DraftGate, Probes, SpeedCurve, candidates, capacity,
                                       path_throughputs, schedule_sync, schedule_top_k)
-from dspark_common.verify import verify_sampled
+from dspark_common.lossless import verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

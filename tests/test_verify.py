@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_common.randomness import ACCEPT, EMIT, KeyedRandom
-from dspark_common.verify import point_masses, residual, sample, verify_greedy, verify_sampled
+from dspark_common.lossless import point_masses, residual, sample, verify_greedy, verify_sampled
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -90,8 +90,56 @@ def test_sampled_chain_matches_the_target_and_broken_rules_fail():
     assert p_value(first_two_tokens(always_accept, samples, seed=3)) < 1e-6
 
 
+TARGET_3 = np.random.default_rng(7).dirichlet(np.full(V, 0.7), size=(V, V))  # the third token given the first two
+
+
+def bonus_from_the_last_draft_position(target_probs, draft_probs, draft_tokens, uniform):
+    """Verifies correctly but draws the bonus token from the last draft's row instead of the row after it."""
+    accepted, token = verify_sampled(target_probs, draft_probs, draft_tokens, uniform)
+    if accepted == len(draft_tokens):
+        token = sample(target_probs[accepted - 1], uniform(accepted, EMIT))
+    return accepted, token
+
+
+def first_three_tokens(verifier, samples: int, seed: int, rollback: bool = True) -> np.ndarray:
+    """Counts [V, V, V] of the first three emitted tokens when each round drafts two; the tokens after a round come
+    from the target alone given what was emitted, or, without `rollback`, given the drafts a rejection discarded
+    (a cache that kept the rejected draft's row)."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V, V), dtype=np.int64)
+    for _ in range(samples):
+        d1 = rng.choice(V, p=DRAFT_1)
+        d2 = rng.choice(V, p=DRAFT_2[d1])
+        target_probs = np.stack([TARGET_1, TARGET_2[d1], TARGET_3[d1, d2]])
+        accepted, token = verifier(target_probs, np.stack([DRAFT_1, DRAFT_2[d1]]), np.array([d1, d2]),
+                                   lambda k, purpose: rng.random())
+        emitted = [d1, d2][:accepted] + [token]
+        context = emitted if rollback else [d1, d2][: len(emitted)]
+        if len(emitted) == 1:
+            emitted.append(rng.choice(V, p=TARGET_2[context[0]]))
+            context = emitted if rollback else [context[0], emitted[1]]
+        if len(emitted) == 2:
+            emitted.append(rng.choice(V, p=TARGET_3[context[0], context[1]]))
+        counts[tuple(emitted[:3])] += 1
+    return counts
+
+
+def test_three_tokens_match_the_target_and_a_wrong_bonus_or_rollback_fails():
+    """Beyond the first two tokens: the bonus token's row and what follows a rejection."""
+    expected = TARGET_1[:, None, None] * TARGET_2[:, :, None] * TARGET_3
+
+    def p(counts):
+        return scipy_stats.chisquare(counts.ravel(), expected.ravel() * counts.sum()).pvalue
+
+    samples = 60_000
+    assert p(first_three_tokens(verify_sampled, samples, seed=4)) > 1e-3
+    assert p(first_three_tokens(bonus_from_the_last_draft_position, samples, seed=5)) < 1e-6
+    assert p(first_three_tokens(verify_sampled, samples, seed=6, rollback=False)) < 1e-6
+
+
 def test_truncation_rules_row_by_row_and_batched():
-    from dspark_runtime.sampling import SamplingParams, truncated_distribution
+    from dspark_common.lossless import truncated_distribution
+    from dspark_common.sampling import SamplingParams
 
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
     cases = [
@@ -122,7 +170,9 @@ def test_keyed_uniforms_depend_on_seed_position_and_purpose_only():
 
 
 def test_token_logprobs_read_the_processed_rows():
-    from dspark_runtime.sampling import SamplingParams, token_logprobs, truncated_distribution
+    from dspark_common.lossless import truncated_distribution
+    from dspark_common.sampling import SamplingParams
+    from dspark_runtime.logprobs import token_logprobs
 
     logits = np.array([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
     greedy = token_logprobs(logits, [0, 2], SamplingParams(temperature=0, logprobs=2))

@@ -3,7 +3,8 @@ target generating the continuation of each held-out prompt.
 
 Per round: the drafter proposes γ tokens from the anchor (the newest committed token) and the target's
 features of every earlier position; the target scores [anchor, drafts] in one cached forward; the
-verifier (`dspark_common.verify`, the runtime's own) keeps a prefix and emits one more token.
+verifier (`dspark_common.lossless.verify`, the step loop's own: penalties, temperature, top-k/p, min-p and every
+branch) keeps a prefix and emits one more token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dspark_calibration.metrics import auc, ece
 from dspark_export.drafters.block_drafter import block_draft
 from dspark_export.drafters.eagle3 import eagle3_draft
 from dspark_export.model import DecoderModel
-from dspark_common.verify import sample, verify_greedy, verify_sampled
+from dspark_common.lossless import verify
+from dspark_common.sampling import SamplingParams
 
 
 @dataclass
@@ -35,9 +37,9 @@ class Generation:
 
 
 @torch.no_grad()
-def speculative_generate(target: DecoderModel, drafter, prompt: list[int], max_new: int, temperature: float,
-                         seed: int, stop_ids: tuple[int, ...] = (), draft_fn=None) -> Generation:
-    """Generate up to `max_new` tokens after `prompt` by drafting and verifying; returns tokens and rounds.
+def speculative_generate(target: DecoderModel, drafter, prompt: list[int], params: SamplingParams, seed: int,
+                         stop_ids: tuple[int, ...] = (), draft_fn=None) -> Generation:
+    """Generate up to `params.max_tokens` tokens after `prompt` by drafting and verifying; returns tokens and rounds.
 
     `draft_fn(drafter, committed, features, temperature, noise) -> Draft` defaults to the drafter type's own.
     """
@@ -45,62 +47,53 @@ def speculative_generate(target: DecoderModel, drafter, prompt: list[int], max_n
     draft_fn = draft_fn or (eagle3_draft if config.drafter_type == "eagle3" else block_draft)
     rng = np.random.default_rng(seed)
     noise_gen = torch.Generator().manual_seed(seed)
-    target.setup_caches(1, len(prompt) + max_new + config.gamma + 1)
+    target.setup_caches(1, len(prompt) + params.max_tokens + config.gamma + 1)
     # prefill the prompt and sample the first token from the target alone; it becomes the first anchor
     length = len(prompt)
     out = target(torch.tensor([prompt]), torch.arange(length)[None], config.feature_layers, use_cache=True)
     features = torch.cat([out.features[layer] for layer in config.feature_layers], -1)
-    first = verify_token(out.logits[0, -1:].float(), temperature, rng)
+    first = verified(out.logits[0, -1:], np.zeros(0, np.int64), None, np.asarray(prompt), params, rng).token
     committed = torch.tensor([prompt + [first]])
     result = Generation([first])
     if first in stop_ids:
         return result
-    while len(result.tokens) < max_new:
+    while len(result.tokens) < params.max_tokens:
         noise = torch.rand(1, config.gamma, generator=noise_gen).clamp_(1e-12, 1 - 1e-7)
-        draft = draft_fn(drafter, committed, features, temperature, noise)
+        draft = draft_fn(drafter, committed, features, params.temperature, noise)
         candidates = torch.cat([committed[:, -1:], draft.tokens], 1)
-        verify = target(
+        step = target(
             candidates, torch.arange(length, length + config.gamma + 1)[None], config.feature_layers, use_cache=True
         )
-        accepted, token = verify_drafts(verify.logits[0].float(), draft, temperature, rng)
-        new = draft.tokens[0, :accepted].tolist() + [token]
-        result.rounds.append(RoundRecord(accepted, config.gamma, draft.confidence[0].tolist(),
-                                         acceptance_probabilities(verify.logits[0].float(), draft, temperature)))
-        step_features = torch.cat([verify.features[layer] for layer in config.feature_layers], -1)
-        features = torch.cat([features, step_features[:, : accepted + 1]], 1)
+        drafts, proposed = draft.tokens[0].numpy(), draft.probs[0].double().numpy()
+        verdict = verified(step.logits[0], drafts, proposed, committed[0].numpy(), params, rng)
+        new = drafts[: verdict.accepted].tolist() + [verdict.token]
+        result.rounds.append(RoundRecord(verdict.accepted, config.gamma, draft.confidence[0].tolist(),
+                                         acceptance_probabilities(verdict.rows, drafts, proposed, params.greedy)))
+        step_features = torch.cat([step.features[layer] for layer in config.feature_layers], -1)
+        features = torch.cat([features, step_features[:, : verdict.accepted + 1]], 1)
         committed = torch.cat([committed, torch.tensor([new])], 1)
-        length += accepted + 1
+        length += verdict.accepted + 1
         for t in new:
             result.tokens.append(t)
-            if t in stop_ids or len(result.tokens) >= max_new:
+            if t in stop_ids or len(result.tokens) >= params.max_tokens:
                 return result
     return result
 
 
-def verify_drafts(logits: torch.Tensor, draft, temperature: float, rng: np.random.Generator) -> tuple[int, int]:
-    """The runtime's verifier on the target's logits [γ+1, V] for one request's drafts."""
-    drafts = draft.tokens[0].numpy()
-    if temperature == 0:
-        return verify_greedy(logits.argmax(-1).numpy(), drafts)
-    target_probs = torch.softmax(logits / temperature, -1).double().numpy()
-    return verify_sampled(target_probs, draft.probs[0].double().numpy(), drafts, lambda k, purpose: rng.random())
+def verified(logits: torch.Tensor, drafts: np.ndarray, proposed: np.ndarray | None, history: np.ndarray,
+             params: SamplingParams, rng: np.random.Generator):
+    """The step loop's lossless rule on the target's logits for one request's drafts (uniforms from `rng`)."""
+    return verify(logits.float().numpy(), drafts, proposed, history, params, lambda k, purpose: rng.random())
 
 
-def acceptance_probabilities(logits: torch.Tensor, draft, temperature: float) -> list[float]:
-    """P(draft k accepted | drafts before it accepted): Σ_x min(p_k, q_k) = 1 - TV(p_k, q_k) when sampling,
-    and whether it equals the target's argmax when greedy. The best any confidence head could predict."""
-    drafts = draft.tokens[0]
-    if temperature == 0:
-        return (logits[: len(drafts)].argmax(-1) == drafts).float().tolist()
-    target_probs = torch.softmax(logits[: len(drafts)] / temperature, -1)
-    return (1 - 0.5 * (target_probs - draft.probs[0].float()).abs().sum(-1)).clamp(0, 1).tolist()
-
-
-def verify_token(logits: torch.Tensor, temperature: float, rng: np.random.Generator) -> int:
-    """A plain target step (no drafts): the argmax, or a sample at the temperature."""
-    if temperature == 0:
-        return int(logits[0].argmax())
-    return sample(torch.softmax(logits[0] / temperature, -1).double().numpy(), rng.random())
+def acceptance_probabilities(rows: np.ndarray, drafts: np.ndarray, proposed: np.ndarray, greedy: bool) -> list[float]:
+    """P(draft k accepted | drafts before it accepted), from the processed target rows: Σ_x min(p_k, q_k) =
+    1 - TV(p_k, q_k) when sampling, and whether it equals the target's argmax when greedy. The best any confidence
+    head could predict."""
+    rows = rows[: len(drafts)]
+    if greedy:
+        return (rows.argmax(-1) == drafts).astype(float).tolist()
+    return np.clip(1 - 0.5 * np.abs(rows - proposed).sum(-1), 0, 1).tolist()
 
 
 def summarize(rounds: list[RoundRecord], gamma: int) -> dict:
@@ -124,20 +117,21 @@ def summarize(rounds: list[RoundRecord], gamma: int) -> dict:
     }
 
 
-def evaluate(target: DecoderModel, drafter, prompts: list[dict], tokenizer, temperature: float, max_new: int,
-             seed: int = 0, progress=None) -> dict:
+def evaluate(target: DecoderModel, drafter, prompts: list[dict], tokenizer, params: SamplingParams, seed: int = 0,
+             progress=None) -> dict:
     """Run every prompt through speculative generation; τ overall and per domain, acceptance, calibration."""
     stop_ids = tuple(tokenizer.eos_token_ids)
     by_domain: dict[str, list[RoundRecord]] = {}
     for index, prompt in enumerate(prompts):
         ids = tokenizer.encode(prompt["prompt"])
-        generation = speculative_generate(target, drafter, ids, max_new, temperature, seed + index, stop_ids)
+        generation = speculative_generate(target, drafter, ids, params, seed + index, stop_ids)
         by_domain.setdefault(prompt.get("domain", "all"), []).extend(generation.rounds)
         if progress:
             progress()
     gamma = drafter.config.gamma
     every = [r for rounds in by_domain.values() for r in rounds]
-    result = {"gamma": gamma, "temperature": temperature} | summarize(every, gamma)
+    result = {"gamma": gamma, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    result |= summarize(every, gamma)
     result["per_domain"] = {domain: summarize(rounds, gamma) for domain, rounds in by_domain.items()}
     result["tau_macro"] = float(np.mean([d["tau"] for d in result["per_domain"].values()]))
     return result

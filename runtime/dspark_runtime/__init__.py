@@ -20,7 +20,7 @@ _EXPORTS = {
     "MissingDependencyError": "dspark_common.errors",
     "OrtBackend": "dspark_runtime.backend",
     "Request": "dspark_runtime.engine",
-    "SamplingParams": "dspark_runtime.sampling",
+    "SamplingParams": "dspark_common.sampling",
     "TokenizerError": "dspark_common.errors",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,19 +1,23 @@
 """One call's inputs, as the graph I/O contract names them: `TargetBatch` for a target step, `DraftBatch` for a
 drafter call. `feeds(io)` reads exactly the inputs the contract lists (caches aside), so a graph kind that
 needs an input nobody computes fails at once with its name; the step loop and the profiler both build
-their calls here.
+their calls here, and `lay_out` lays a step's requests out in one target batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dspark_common.errors import DSparkError
 from dspark_common.graph_io import GraphIO
 
+if TYPE_CHECKING:
+    from dspark_common.engine_dir import Manifest
+    from dspark_runtime.sequence import Sequence
 
 
 def _feeds(batch: object, io: GraphIO) -> dict[str, np.ndarray]:
@@ -157,3 +161,53 @@ class DraftBatch:
     @cached_property
     def temperature(self) -> np.ndarray:
         return np.asarray([r.temperature for r in self.requests])
+
+
+@dataclass
+class Row:
+    """Where one request's tokens sit in the flattened target batch."""
+
+    sequence: Sequence
+    start: int  # first token index in the batch
+    count: int  # tokens in the batch
+    logit_start: int  # first row in the logits output
+    logit_count: int
+    drafts: int  # drafts verified (decode) or -1 (prefill chunk)
+
+
+def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest) -> tuple[list[Row], TargetBatch]:
+    """One step's target batch: every decoding request's anchor and the `lengths[id]` drafts it verifies, then prefill
+    chunks of new requests within the token budget and the cache rows; and where each request's tokens sit."""
+    ids, slots, positions, logit_index, rows = [], [], [], [], []
+    budget = manifest.max_batch_tokens
+    decoding = [s for s in active if s.decoding]
+    prefilling = [s for s in active if not s.decoding]
+    for s in decoding:
+        drafts = lengths[s.request_id]
+        tokens = [s.anchor] + ([] if drafts == 0 else s.drafts[:drafts].tolist())
+        rows.append(Row(s, len(ids), len(tokens), len(logit_index), len(tokens), drafts))
+        logit_index += range(len(ids), len(ids) + len(tokens))
+        ids += tokens
+        slots += [s.slot] * len(tokens)
+        positions += range(s.target_len, s.target_len + len(tokens))
+    # a slot's new tokens are padded to the step's longest in a cache of cache_rows positions: a chunk may
+    # not run past the end of the fullest slot's rows (decoding rows always fit: cache_rows leaves γ + 1)
+    longest = manifest.cache_rows - max(s.target_len for s in active)
+    for s in prefilling:
+        room = min(budget - len(ids), longest)
+        if room <= 0 and ids:
+            break
+        chunk = s.prompt[s.prefilled : s.prefilled + max(room, 1)]
+        final = s.prefilled + len(chunk) == len(s.prompt)
+        rows.append(Row(s, len(ids), len(chunk), len(logit_index), int(final), -1))
+        if final:
+            logit_index.append(len(ids) + len(chunk) - 1)
+        ids += chunk
+        slots += [s.slot] * len(chunk)
+        positions += range(s.prefilled, s.prefilled + len(chunk))
+    cache_len = np.zeros(manifest.cache_slots, dtype=np.int64)
+    for s in active:
+        cache_len[s.slot] = s.target_len
+    batch = TargetBatch(np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                        np.asarray(slots, dtype=np.int64), cache_len, np.asarray(logit_index, dtype=np.int64))
+    return rows, batch

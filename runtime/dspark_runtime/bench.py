@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.engine import Engine, Prompt
-from dspark_runtime.sampling import SamplingParams
+from dspark_common.sampling import SamplingParams
 
 
 def prompt_of(row: dict) -> Prompt:

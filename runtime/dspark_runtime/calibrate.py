@@ -15,7 +15,7 @@ from dspark_runtime.bench import prompt_of
 from dspark_runtime.engine import Engine
 from dspark_common.engine_dir import CALIBRATION, read_calibration
 from dspark_common.errors import DSparkError
-from dspark_runtime.sampling import SamplingParams
+from dspark_common.sampling import SamplingParams
 
 
 def calibrate(engine: Engine, rows: list[dict], params: SamplingParams, plot: bool = True,

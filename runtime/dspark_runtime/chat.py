@@ -7,7 +7,7 @@ from typing import Iterator
 
 from dspark_runtime.engine import Completion, Engine
 from dspark_runtime.output import Delta
-from dspark_runtime.sampling import SamplingParams
+from dspark_common.sampling import SamplingParams
 
 
 @dataclass

@@ -320,7 +320,7 @@ def bench(
       dspark-run bench --modes off,fixed:7 --domains code --limit 10 --rounds 5
     """
     from dspark_runtime.bench import plot_frontier, run_benchmark
-    from dspark_runtime.sampling import SamplingParams
+    from dspark_common.sampling import SamplingParams
 
     if domains:
         rows = [r for r in rows if r.get("domain") in domains.split(",")]
@@ -386,7 +386,7 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
     from tqdm import tqdm
 
     from dspark_runtime.calibrate import calibrate as run_calibration
-    from dspark_runtime.sampling import SamplingParams
+    from dspark_common.sampling import SamplingParams
 
     with load_engine(engine_dir, threads) as engine:
         with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:

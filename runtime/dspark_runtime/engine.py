@@ -31,7 +31,8 @@ from dspark_common.errors import DSparkError, EngineError, InvalidRequestError, 
 from dspark_runtime.output import Delta, OutputState
 from dspark_common.randomness import KeyedRandom
 from dspark_runtime.runner import Backend, GraphRunner
-from dspark_runtime.sampling import SamplingParams, TokenLogprob
+from dspark_common.sampling import SamplingParams
+from dspark_runtime.logprobs import TokenLogprob
 from dspark_runtime.scheduler import SpeedCurve
 from dspark_runtime.sequence import RequestStats, Sequence
 from dspark_runtime.spec_mode import SpecMode
@@ -82,8 +83,7 @@ class Request:
         return self._error is not None or bool(self._deltas and self._deltas[-1].finish_reason)
 
     def cancel(self) -> None:
-        self._sequence.cancelled = True
-        self.engine._wake()
+        self.engine.cancel(self.id)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the request has ended (or `timeout` seconds passed); whether it has."""
@@ -165,6 +165,7 @@ class Engine:
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
+        self._changes: list[Callable[[EngineCore], None]] = []  # from callers, applied by the loop between steps
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._closed = False
@@ -214,13 +215,13 @@ class Engine:
     @property
     def has_speed_curve(self) -> bool:
         """Whether the engine is profiled, which `sync` and `async` need."""
-        return self.core.curve is not None
+        return self.core.drafting.curve is not None
 
     def speedup_estimate(self, stats: RequestStats) -> float | None:
         """What a request gained against the target alone by the speed curve: τ·t(1) over the cost of its mean step,
         t(1 + drafts verified per step) plus the drafter's call on the steps that verified drafts. Overheads outside
         the graphs are left out on both sides. None for an engine not profiled or a request without steps."""
-        curve = self.core.curve
+        curve = self.core.drafting.curve
         if curve is None or not stats.steps:
             return None
         sizes = np.arange(1, len(curve.target_seconds) + 1)
@@ -236,7 +237,7 @@ class Engine:
         """Steps of `sync`/`async` requests so far, by the draft gate's decision: "draft" (their survivals say it
         pays), "probe" (a request looks again), "plain" (nothing drafted); and "free": steps that verified free
         drafts (`dspark_runtime.ngram`)."""
-        return dict(self.core.gate_steps)
+        return dict(self.core.drafting.gate_steps)
 
     def status(self) -> dict[str, int]:
         """Requests running and queued, and cache slots free (all of them when idle)."""
@@ -248,28 +249,41 @@ class Engine:
         """How many requests have ended so far, by finish reason ("stop", "length", "cancelled", "error")."""
         return dict(self.core.finished)
 
+    def _change(self, change: Callable[[EngineCore], None]) -> None:
+        """Have the step loop apply `change` to the core before its next step (callers never set core state)."""
+        with self._lock:
+            self._changes.append(change)
+            self._work.notify()
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (queued or running) at the next step; its slot is freed and it ends "cancelled"."""
+        self._change(lambda core: core.cancel(request_id))
+
     @contextmanager
     def record_rounds(self) -> Iterator[list[tuple[int, np.ndarray, int]]]:
-        """Collect (request id, confidence logits, drafts accepted) of every full-length verification round."""
-        self.core.round_log = rounds = []
+        """Collect (request id, confidence logits, drafts accepted) of every full-length verification round from
+        the next step on."""
+        rounds: list[tuple[int, np.ndarray, int]] = []
+        self._change(lambda core: setattr(core, "round_log", rounds))
         try:
             yield rounds
         finally:
-            self.core.round_log = None
+            self._change(lambda core: setattr(core, "round_log", None))
 
     @property
     def calibration(self) -> dict[float, tuple[np.ndarray, np.ndarray]]:
         """The STS fits in use: (temperatures, offsets) per draft position, by the sampling temperature fitted at."""
-        return dict(self.core.sts or {})
+        return dict(self.core.drafting.sts or {})
 
     def set_calibration(self, reports: dict[float, dict]) -> None:
-        """Use these STS fits (calibration reports by sampling temperature) from the next draft on."""
-        self.core.sts = sts_by_temperature(reports) or None
+        """Use these STS fits (calibration reports by sampling temperature) from the next step on."""
+        sts = sts_by_temperature(reports) or None
+        self._change(lambda core: setattr(core.drafting, "sts", sts))
 
     def set_draft_gate(self, enabled: bool) -> None:
         """`sync`/`async` skip drafting when it would not pay (the default); False drafts every step, as in the
-        paper."""
-        self.core.draft_gate = enabled
+        paper (from the next step on)."""
+        self._change(lambda core: setattr(core.drafting, "draft_gate", enabled))
 
     def profile(self, context: int = 256, rounds: int = 5, progress=None) -> dict:
         """Measure the speed curve in `rounds` interleaved rounds, write hardware_curve.json and use it (call while
@@ -277,7 +291,7 @@ class Engine:
         from dspark_runtime.profiling import profile
 
         curve = profile(self.core, self.folder, self.machine, context, rounds, progress)
-        self.core.set_curve(SpeedCurve.from_json(curve))
+        self.core.drafting.set_curve(SpeedCurve.from_json(curve))
         return curve
 
     # ---- submission -----------------------------------------------------------------------------
@@ -318,7 +332,7 @@ class Engine:
             lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True), params.stop, stream
         )
         sequence = Sequence(next(self._ids), ids, params, mode, KeyedRandom(seed),
-                            frozenset(ends | set(params.stop_token_ids)), stop_text=output.add)
+                            frozenset(ends | set(params.stop_token_ids)))
         request = Request(self, sequence, output, stream)
         request.dropped_tokens = whole - len(ids)
         with self._lock:
@@ -383,20 +397,19 @@ class Engine:
         raise InvalidRequestError("a prompt is a string, a list of token ids, or a list of chat messages")
 
     # ---- the loop -------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        with self._lock:
-            self._work.notify()
-
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._inbox and not self.core.busy and not self._closed:
+                while not (self._inbox or self._changes or self.core.busy or self._closed):
                     self._work.wait()
                 if self._closed and not self.core.busy and not self._inbox:
                     return
+                changes, self._changes = self._changes, []
                 for sequence in self._inbox:
                     self.core.add(sequence)
                 self._inbox.clear()
+            for change in changes:
+                change(self.core)
             try:
                 changed = self.core.step()
             except Exception as exc:  # an engine fault: fail the requests in flight, keep serving
@@ -415,9 +428,14 @@ class Engine:
         return failed
 
     def _publish(self, sequence: Sequence) -> None:
-        """Hand a request the text it has not seen yet, and its end when it finished."""
+        """Turn a request's new tokens into text, end it where a stop string appeared, and hand it the text it has
+        not seen yet, and its end when it finished."""
         request = self._requests.get(sequence.request_id)
-        if request is None or (sequence.finish_reason is None and not request.stream):
+        if request is None:
+            return
+        if request.output.add(sequence.generated[len(request.output.visible) : sequence.visible]):
+            self.core.stop(sequence)
+        if sequence.finish_reason is None and not request.stream:
             return
         start = request.output.sent_tokens
         delta = request.output.take(sequence.finish_reason)
@@ -440,8 +458,8 @@ class Engine:
         """Cancel what is queued or running, stop the loop; later submissions raise."""
         with self._lock:
             self._closed = True
-            for request in list(self._requests.values()):
-                request.cancel()
+            ids = list(self._requests)
+            self._changes += [lambda core, request_id=request_id: core.cancel(request_id) for request_id in ids]
             self._work.notify()
         self._thread.join(timeout=30)
 

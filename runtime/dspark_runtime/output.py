@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark_runtime.sampling import TokenLogprob
+from dspark_runtime.logprobs import TokenLogprob
 
 
 @dataclass

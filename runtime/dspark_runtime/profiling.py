@@ -51,7 +51,7 @@ def target_batch(core: EngineCore, tokens: int, context: int) -> TargetBatch:
 
 def draft_batch(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> DraftBatch:
     """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
-    width = core.drafter.io.input("context_features").shape[1]
+    width = core.drafting.drafter.io.input("context_features").shape[1]
     cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
     return DraftBatch(
@@ -85,13 +85,13 @@ def profile(core: EngineCore, folder: Path, machine_record: dict, context: int =
     draft_seconds, draft_spread, per_row = np.zeros(manifest.cache_slots), 0.0, 0.0
     if core.gamma:
         draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: core.drafter.run(draft_batch(core, r, context)), rounds,
+                           lambda r: lambda: core.drafting.drafter.run(draft_batch(core, r, context)), rounds,
                            progress=progress and (lambda n: progress("drafter", n)))
         draft_seconds, draft_spread = draft.seconds, float(draft.spreads.max())
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
         batch = draft_batch(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
-        long = median_seconds(lambda: core.drafter.run(batch), 3 * rounds)
+        long = median_seconds(lambda: core.drafting.drafter.run(batch), 3 * rounds)
         per_row = max(0.0, float(long - draft_seconds[requests - 1]) / (extra * requests))
     curve = {
         "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, target.seconds)],

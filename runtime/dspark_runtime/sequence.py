@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from dspark_common.randomness import KeyedRandom
-from dspark_runtime.sampling import SamplingParams, TokenLogprob
+from dspark_common.sampling import SamplingParams
+from dspark_runtime.logprobs import TokenLogprob
 from dspark_runtime.ngram import FreeDraftAcceptance, NgramIndex
 from dspark_runtime.scheduler import Probes
 from dspark_runtime.spec_mode import SpecMode
@@ -88,15 +88,15 @@ class Sequence:
     free_acceptance: FreeDraftAcceptance = field(default_factory=FreeDraftAcceptance)
     ngrams: NgramIndex | None = None  # prompt and generated tokens, indexed for free drafts (sync/async)
     generated: list[int] = field(default_factory=list)
+    visible: int = 0  # of the generated tokens, those a reader sees (all but an end or stop token)
     from_draft: list[bool] = field(default_factory=list)  # per generated token: an accepted draft's (else the target's)
     verifications: list[tuple[int, int, int]] = field(default_factory=list)  # per decoding step: drafts proposed,
     # verified by the target, accepted
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when params.logprobs
     finish_reason: str | None = None  # set by the step loop alone (EngineCore.finish)
     error: Exception | None = None  # why a request finished with "error"
-    cancelled: bool = False
+    cancelled: bool = False  # set by the step loop (EngineCore.cancel)
     stats: Stats = field(default_factory=Stats)
-    stop_text: Callable[[list[int]], bool] = lambda tokens: False  # new visible tokens -> a stop string appeared
 
     @property
     def decoding(self) -> bool:

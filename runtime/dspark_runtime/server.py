@@ -31,7 +31,8 @@ from typing import Any
 from dspark_runtime.engine import Completion, Engine, Request
 from dspark_runtime.output import Delta
 from dspark_common.errors import DSparkError, InvalidRequestError, MissingDependencyError
-from dspark_runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from dspark_common.sampling import MAX_LOGPROBS, SamplingParams
+from dspark_runtime.logprobs import TokenLogprob
 from dspark_common.tokenizer import ChatTokenizer
 
 COMMON_FIELDS = {

@@ -1,8 +1,5 @@
-"""Sampling parameters and the *processed* target distribution that verification must reproduce.
-
-Processing order (as llama.cpp): repetition / presence / frequency penalties over the tokens so far,
-then temperature, top-k, top-p, min-p. Temperature 0 is greedy: the argmax of the penalised logits.
-"""
+"""A request's sampling parameters, validated once: what the processed target distribution
+(`dspark_common.lossless`) is made from, and the request's limits (tokens, stops, log-probabilities)."""
 
 from __future__ import annotations
 
@@ -122,79 +119,3 @@ def _shown(value) -> str:
         return f"an integer of {int(value).bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def penalise(logits: np.ndarray, history: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """One row of logits [V] after the penalties for the tokens in `history`."""
-    if not params.penalised or len(history) == 0:
-        return logits
-    out = logits.astype(np.float64).copy()
-    tokens, counts = np.unique(history, return_counts=True)
-    if params.repetition_penalty != 1:
-        values = out[tokens]
-        out[tokens] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    out[tokens] -= params.presence_penalty + params.frequency_penalty * counts
-    return out
-
-
-def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """softmax(logits / T) restricted by top-k, top-p and min-p, along the last axis; float64 rows summing to 1."""
-    scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    keep = np.ones(probs.shape, dtype=bool)
-    if params.top_k and params.top_k < probs.shape[-1]:
-        keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
-    if params.top_p < 1:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        ranked = np.take_along_axis(probs, order, -1)
-        nucleus = np.zeros(probs.shape, dtype=bool)
-        np.put_along_axis(nucleus, order, np.cumsum(ranked, -1) - ranked < params.top_p, -1)  # mass strictly above
-        keep &= nucleus
-    if params.min_p > 0:
-        keep &= probs >= params.min_p * probs.max(-1, keepdims=True)
-    probs = np.where(keep, probs, 0.0)
-    return probs / probs.sum(-1, keepdims=True)
-
-
-def target_rows(logits: np.ndarray, history: np.ndarray, drafts: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Processed target rows for verification: row k sees history + drafts[:k] (penalties) -> [k+1, V].
-
-    Greedy: the logits after penalties (the caller takes argmax). Sampling: float64 probabilities. Only
-    penalties read `history`.
-    """
-    if params.penalised:
-        logits = np.stack(
-            [penalise(logits[k], np.concatenate([history, drafts[:k]]), params) for k in range(len(logits))]
-        )
-    return logits if params.greedy else truncated_distribution(logits, params)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """An emitted token's log-probability under the processed target distribution at its position, and the
-    `top` most likely tokens there (token id, log-probability), most likely first."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def token_logprobs(rows: np.ndarray, tokens: list[int], params: SamplingParams) -> list[TokenLogprob]:
-    """Each token's entry from the processed row it was emitted at (`target_rows`' output: penalised logits when
-    greedy, whose softmax is the distribution at temperature 1; else the probabilities sampled from). Tokens
-    that truncation removed have no entry among the alternatives (their log-probability is -inf)."""
-    rows = rows[: len(tokens)].astype(np.float64)
-    if params.greedy:
-        shifted = rows - rows.max(-1, keepdims=True)
-        logs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    else:
-        with np.errstate(divide="ignore"):
-            logs = np.log(rows)
-    entries = []
-    for row, token in zip(logs, tokens):
-        top = np.argpartition(-row, params.logprobs - 1)[: params.logprobs] if params.logprobs else []
-        top = sorted(top, key=lambda t: (-row[t], t))
-        entries.append(TokenLogprob(int(token), float(row[token]),
-                                    tuple((int(t), float(row[t])) for t in top if np.isfinite(row[t]))))
-    return entries
