@@ -96,7 +96,7 @@ def default_drafter_weights(backend: str, weights: WeightFormat, config: Decoder
     else int8; TensorRT: float32. At real size in blocks of 128 where they divide the widths: the drafter's numbers
     never touch losslessness (the target verifies every draft), and MatMulNBits is 1.4-1.7x faster with them than
     with 32 (Qwen3-1.7B's shapes, 2 AMD EPYC cores with AVX-512 VNNI), while the target keeps the blocks under which
-    ONNX Runtime computes a row alike alone and in a batch."""
+    ONNX Runtime computes a row alike alone and in a batch on such CPUs (`profiling.one_row_drift` checks)."""
     name = "fp32" if backend != "ort" else "int4" if weights.name == "int4" else "int8"
     real = config.hidden_size >= REAL_SIZE_HIDDEN and not any(w % DRAFTER_BLOCK for w in config.input_widths())
     return WeightFormat(name, max(weights.block_size, DRAFTER_BLOCK) if real else weights.block_size,

@@ -44,8 +44,9 @@ def engine_options(command):
             type=click.IntRange(min=16),
             default=32,
             show_default=True,
-            help="Weights per quantization block (int8, int4). ONNX Runtime computes a row alike alone and in a "
-                 "batch only with 32: larger blocks are faster but can break greedy identity between modes.",
+            help="Weights per quantization block (int8, int4). ONNX Runtime computes a token alone and in a batch "
+                 "alike with 32 on AVX-512 VNNI CPUs, with 16 on AVX2 ones (`dspark-run profile` checks): larger "
+                 "blocks are faster but can break greedy identity between modes.",
         ),
         click.option(
             "--accuracy-level",

@@ -238,12 +238,12 @@ def test_the_weight_formats_the_exporter_writes_are_those_engines_may_hold():
 
 
 
-@pytest.mark.parametrize("block, alike", [(32, True), (128, False)])
-def test_int4_blocks_of_32_compute_a_row_alike_alone_and_in_a_batch(block, alike):
-    """Why 32 is the default block: ONNX Runtime's MatMulNBits (accuracy level 4) computes one row with its own
-    kernel, and rows of a batch with another; with blocks of 32 the two agree bit for bit, so a decoding step and a
-    verification step compute the same target, while with 128 they differ in the last bit and a greedy near-tie can
-    flip (2 of 5 prompts at Qwen3-1.7B's shape). If this changes, so may greedy identity between modes."""
+@pytest.mark.parametrize("block", [16, 32, 128])
+def test_int4_rows_of_a_batch_compute_alike_whatever_else_is_in_it(block):
+    """Verification runs several requests' rows in one batch: ONNX Runtime's MatMulNBits (accuracy level 4) must
+    compute a row of a batch of two or more alike whatever the other rows are, or a request's output would depend
+    on its neighbours. (A row alone takes another kernel, which agrees bit for bit on some CPUs only: AVX-512 VNNI
+    with blocks of 32, AVX2 with 16; `dspark-run profile` measures it on the engine: `one_row_drift`.)"""
     from onnx import TensorProto, helper, numpy_helper
 
     k = n = 512
@@ -258,6 +258,8 @@ def test_int4_blocks_of_32_compute_a_row_alike_alone_and_in_a_batch(block, alike
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = rng.standard_normal((4, k)).astype(np.float32)
-    alone = np.concatenate([session.run(None, {"X": x[i : i + 1]})[0] for i in range(4)])
-    assert np.array_equal(session.run(None, {"X": x})[0], alone) == alike
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    whole = session.run(None, {"X": x})[0]
+    for rows in (2, 3, 5):
+        assert np.array_equal(session.run(None, {"X": x[:rows]})[0], whole[:rows])
+        assert np.array_equal(session.run(None, {"X": x[-rows:]})[0], whole[-rows:])

@@ -327,11 +327,31 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
     assert len(curve["target_seconds"]) == 8 * (3 + 1) and np.all(np.diff(curve["target_seconds"]) >= 0)
     assert curve["machine"]["threads"] == 1 and "spread between rounds" in result.output
     assert len(curve["draft_seconds"]) == 8 and curve["draft_seconds_per_context_row"] >= 0
+    assert curve["one_row_drift"] == 0.0 and "note: on this CPU" not in result.output  # fp32: one kernel for both
     with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
         for prompt in PROMPTS[:3]:
             plain = engine.generate(prompt, GREEDY, spec="off").token_ids
             for spec in ("sync", "async"):
                 assert engine.generate(prompt, GREEDY, spec=spec).token_ids == plain
+
+
+def test_profile_measures_a_one_row_kernel_that_differs(echo_engine_dir):
+    """A target that computes a token alone otherwise than in a batch (as ONNX Runtime's int4 kernels do on AVX2
+    without VNNI) is caught by `one_row_drift`, which `dspark-run profile` reports."""
+    from dspark_runtime.profiling import one_row_drift
+
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
+        core, run = engine.core, engine.core.target.run
+        assert one_row_drift(core, 4) == 0.0
+
+        def one_row_differs(batch):
+            outputs = dict(run(batch))
+            if len(batch.input_ids) == 1:
+                outputs["logits"] = outputs["logits"] + np.float32(1e-3)
+            return outputs
+
+        core.target.run = one_row_differs
+        assert one_row_drift(core, 4) == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves(echo_engine_dir, tmp_path):

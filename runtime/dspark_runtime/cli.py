@@ -372,6 +372,10 @@ def profile(engine_dir, context, rounds, threads) -> None:
                f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request; largest spread between rounds "
                f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
+    if curve["one_row_drift"]:
+        click.echo(f"note: on this CPU the target computes a token alone with other kernels than in a batch (logits "
+                   f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "
+                   "where two tokens nearly tie. int4 targets built with --quant-block-size 16 or int8 may agree.")
 
 
 @main.command()

@@ -72,6 +72,16 @@ def draft_batch(core: EngineCore, requests: int, context: int, new_context: int 
     )
 
 
+def one_row_drift(core: EngineCore, context: int) -> float:
+    """How far the target's logits for a token computed alone differ from the same token's computed as the first
+    row of a two-token step (largest absolute difference; 0.0 where this CPU's kernels agree bit for bit). A plain
+    decoding step runs one row and a verification step several: where they differ, greedy speculation can pick
+    another token than `off` where two tokens nearly tie (ONNX Runtime's int4 kernels on AVX2 without VNNI)."""
+    alone = core.target.run(target_batch(core, 1, context))["logits"][0]
+    paired = core.target.run(target_batch(core, 2, context))["logits"][0]
+    return float(np.abs(alone.astype(np.float64) - paired).max())
+
+
 def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,
             progress: Callable[[str, int], None] | None = None) -> dict:
     """Measure both tables in `rounds` interleaved rounds and write `hardware_curve.json` into the engine
@@ -100,6 +110,7 @@ def profile(core: EngineCore, folder: Path, machine_record: dict, context: int =
         "spread": {"target": round(float(target.spreads.max()), 3), "drafter": round(draft_spread, 3)},
         "context": context,
         "rounds": rounds,
+        "one_row_drift": one_row_drift(core, context),
         "machine": machine_record,
         "measured": datetime.datetime.now().isoformat(timespec="seconds"),
     }
