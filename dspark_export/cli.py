@@ -16,9 +16,10 @@ from dspark_common.graph_io import DRAFTER_TYPES
 
 
 def target_options(command):
-    """`--target NAME` and `--target-path DIR`, shared by every command that loads a target."""
-    command = click.option("--target-path", type=click.Path(file_okay=False, path_type=str), default=None,
-                           help="Hugging Face model folder (config.json + safetensors); never downloaded.")(command)
+    """`--target NAME` and `--target-path DIR|FILE.gguf`, shared by every command that loads a target."""
+    command = click.option("--target-path", type=click.Path(path_type=str), default=None,
+                           help="Hugging Face model folder (config.json + safetensors) or a GGUF file (llama.cpp's, "
+                                "Ollama's, LM Studio's); never downloaded.")(command)
     return click.option("--target", type=click.Choice(KNOWN_TARGETS), default=None,
                         help="Named architecture; weights from --target-path or the local Hugging Face cache.")(command)
 
@@ -37,7 +38,8 @@ def engine_options(command):
             "--weights",
             type=click.Choice(WEIGHT_FORMATS),
             default=None,
-            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4.",
+            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4 (a GGUF "
+                 "target's default: its own, Q4_0 and Q8_0 blocks carried over exactly).",
         ),
         click.option(
             "--quant-block-size",
@@ -143,7 +145,7 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
     from dspark_export.sizing import size_engine
 
     spec = resolve_target(target, target_path)
-    fmt = weight_format(dtype, weights, quant_block_size)
+    fmt = weight_format(dtype, weights or spec.weights, quant_block_size)
     size = size_engine(
         spec.config, cache_slots, dtype, fmt, max_context=max_context, kv_memory=parse_size(kv_memory, "--kv-memory")
     )
@@ -391,7 +393,7 @@ def build(
         max_context=max_context,
         max_batch_tokens=max_batch_tokens,
         force=force,
-        weights=weight_format(dtype, weights, quant_block_size, accuracy_level),
+        weights=weight_format(dtype, weights or spec.weights, quant_block_size, accuracy_level),
         drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
         kv_memory=parse_size(kv_memory, "--kv-memory"),
         gamma=gamma,
@@ -424,7 +426,7 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     """
     from pathlib import Path
 
-    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.checkpoint import open_checkpoint
     from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.interop import open_drafter
     from dspark_export.interop.export import convert_drafter
@@ -432,7 +434,7 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     from dspark_common.tokenizer import ChatTokenizer
 
     spec = resolve_target(*default_to_demo(target, target_path))
-    checkpoint = Checkpoint(spec.require_path(), spec.config)
+    checkpoint = open_checkpoint(spec.require_path(), spec.config)
     source = open_drafter(
         resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path())
     )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_export.checkpoint import Checkpoint
+from dspark_export.checkpoint import open_checkpoint
+from dspark_export.gguf_target import GGUFCheckpoint, quantization_report
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.presets import PRESETS, TargetSpec
 from dspark_export.sizing import EngineSize
@@ -16,11 +17,12 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: Wei
     The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
     """
     config = spec.config
-    stored = Checkpoint(spec.path, config).dtype if spec.path is not None else config.dtype
+    checkpoint = open_checkpoint(spec.path, config) if spec.path is not None else None
+    gguf = quantization_report(checkpoint, weights) if isinstance(checkpoint, GGUFCheckpoint) else None
     return {
         "target": spec.name,
         "hf_repo": PRESETS[spec.name][0] if spec.name in PRESETS else None,
-        "weights": str(spec.path) if spec.path else None,
+        "weights": gguf["file"] if gguf else str(spec.path) if spec.path else None,
         "searched": [str(p) for p in spec.searched],
         "architecture": {
             "family": config.architecture.hf_class.removesuffix("ForCausalLM"),
@@ -39,7 +41,8 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: Wei
         },
         "vocab_size": config.vocab_size,
         "parameters": config.num_parameters(),
-        "dtype": stored,
+        "dtype": checkpoint.dtype if checkpoint else config.dtype,
+        "gguf": gguf,
         "memory": {
             "dtype": dtype,
             "weights": weights.name,
@@ -83,4 +86,12 @@ def format_report(report: dict[str, Any]) -> str:
                    + (f" in blocks of {memory['quant_block_size']}" if memory["quant_block_size"] else "")),
         ("memory", memory["line"]),
     ]
+    gguf = report["gguf"]
+    if gguf:
+        rows[1:1] = [("gguf", f"mostly {gguf['main_type']} (an {gguf['weights']} engine by default); "
+                              + "; ".join(f"{kind} {types}" for kind, types in gguf["types"].items()))]
+        rows.append(("exact", ", ".join(gguf["exact"]) or "none"))
+        if gguf["requantized"]:
+            rows.append(("requantized", ", ".join(f"{kind} (RMS error {100 * error:.2f}%)"
+                                                  for kind, error in gguf["requantized"].items())))
     return "\n".join(f"{name:<13}{value}" for name, value in rows)

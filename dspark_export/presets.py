@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from dspark_export.config import DecoderConfig
+from dspark_export.gguf_target import GGUFFile, is_gguf, natural_weights, prepare
 from dspark_common.errors import CheckpointError, ConfigError
 
 
@@ -100,6 +101,7 @@ class TargetSpec:
     config: DecoderConfig
     path: Path | None
     searched: tuple[Path, ...] = ()
+    weights: str | None = None  # the engine weight format the target's own quantization maps onto (GGUF files)
 
     def require_path(self) -> Path:
         """The weights folder, or an error that lists where it looked."""
@@ -113,9 +115,10 @@ class TargetSpec:
 
 
 def resolve_target(name: str | None = None, path: str | Path | None = None) -> TargetSpec:
-    """Resolve `--target NAME` and/or `--target-path DIR` to an architecture and a weights folder.
+    """Resolve `--target NAME` and/or `--target-path DIR|FILE.gguf` to an architecture and a weights folder.
 
-    With a path, the architecture is the checkpoint's own `config.json`; with a name too, the two must agree.
+    With a path, the architecture is the checkpoint's own `config.json` (a GGUF file's metadata); with a name too,
+    the two must agree.
     """
     if name is None and path is None:
         raise ConfigError("name a target (--target) or a checkpoint folder (--target-path)")
@@ -123,6 +126,11 @@ def resolve_target(name: str | None = None, path: str | Path | None = None) -> T
         raise ConfigError(f"unknown target {name!r}; known targets: {', '.join(KNOWN_TARGETS)}")
     if path is not None:
         path = Path(path).expanduser()
+        if is_gguf(path):  # a GGUF file reads as a model folder made from its metadata
+            config = DecoderConfig.from_dir(folder := prepare(path))
+            if name is not None:
+                _check_against_preset(name, config)
+            return TargetSpec(name or path.stem, config, folder, (path,), natural_weights(GGUFFile(path)))
         if not path.is_dir():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
         config = DecoderConfig.from_dir(path)

@@ -37,6 +37,8 @@ FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # we
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
+# (name, bits, block size) -> a checkpoint's own codes and scales in `quantize_rows`' layout, or None (`carried`)
+CarriedReader = Callable[[str, int, int], "tuple[np.ndarray, np.ndarray] | None"]
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,14 @@ class Weights:
         strict: bool = True,
         lender: "Weights | None" = None,
         borrowed: dict[str, str] | None = None,
+        carried: CarriedReader | None = None,
     ):
         """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
-        name) are used from there, in its format and dtype, and stored once for both graphs."""
+        name) are used from there, in its format and dtype, and stored once for both graphs. `carried` gives a
+        checkpoint's already quantized weights (a GGUF's Q4_0, Q8_0) where their layout is the format's: those are
+        stored as they are, not quantized again."""
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
+        self.carried = carried
         self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
         self.initializers: dict[str, TensorProto] = {}
 
@@ -264,7 +270,12 @@ class Weights:
             scales = []
 
             def chunks() -> Iterator[np.ndarray]:
-                for array, stored in arrays:
+                for name, (array, stored) in zip(names, arrays):
+                    exact = self.carried and self.carried(name, self.format.bits, block)
+                    if exact:
+                        scales.append(exact[1])
+                        yield exact[0]
+                        continue
                     for start in range(0, array.shape[0], step):
                         codes, chunk_scales = quantize_rows(
                             as_float32(array[start : start + step], stored), self.format.bits, block

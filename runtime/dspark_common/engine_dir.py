@@ -83,9 +83,9 @@ def file_digest(path: Path) -> str:
 
 
 def weights_digest(folder: Path) -> str:
-    """One SHA-256 over a checkpoint folder's `*.safetensors` files (in name order)."""
+    """One SHA-256 over a checkpoint folder's `*.safetensors` and `*.gguf` files (in name order)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.gguf")]):
         digest.update(path.name.encode() + file_digest(path).encode())
     return digest.hexdigest()
 

@@ -72,14 +72,19 @@ def draft_batch(core: EngineCore, requests: int, context: int, new_context: int 
     )
 
 
+DRIFT_TOKENS = 64  # the likeliest tokens whose logits `one_row_drift` compares
+
+
 def one_row_drift(core: EngineCore, context: int) -> float:
     """How far the target's logits for a token computed alone differ from the same token's computed as the first
-    row of a two-token step (largest absolute difference; 0.0 where this CPU's kernels agree bit for bit). A plain
-    decoding step runs one row and a verification step several: where they differ, greedy speculation can pick
-    another token than `off` where two tokens nearly tie (ONNX Runtime's int4 kernels on AVX2 without VNNI)."""
-    alone = core.target.run(target_batch(core, 1, context))["logits"][0]
+    row of a two-token step (largest absolute difference among the likeliest tokens; 0.0 where this CPU's kernels
+    agree bit for bit). A plain decoding step runs one row and a verification step several: where they differ,
+    greedy speculation can pick another token than `off` where two tokens nearly tie (ONNX Runtime's int4 kernels
+    on AVX2 without VNNI)."""
+    alone = core.target.run(target_batch(core, 1, context))["logits"][0].astype(np.float64)
     paired = core.target.run(target_batch(core, 2, context))["logits"][0]
-    return float(np.abs(alone.astype(np.float64) - paired).max())
+    likeliest = np.argsort(alone)[-DRIFT_TOKENS:]
+    return float(np.abs(alone[likeliest] - paired[likeliest]).max())
 
 
 def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,

@@ -1,0 +1,328 @@
+"""GGUF targets (the files llama.cpp, Ollama and LM Studio keep), read with the `gguf` package.
+
+`prepare(file)` turns a `.gguf` into what the rest of the exporter reads from a Hugging Face folder: a small
+side folder with `config.json`, `tokenizer.json` and `tokenizer_config.json` made from the file's metadata, and
+the file itself linked in as `model.gguf`. `GGUFCheckpoint` hands out its tensors by their Hugging Face names:
+F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0 and Q8_0 also as
+`MatMulNBits` codes and scales (`carried`), so that an int4 (int8) engine in blocks of 32 computes with the
+file's own numbers: Q4_0 is (q - 8)·d with q a nibble, Q8_0 q·d with q a signed byte, both in blocks of 32 with
+one float16 scale, which is `MatMulNBits`'s layout once the nibbles are re-paired and the bytes offset by 128.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_export.config import DecoderConfig
+from dspark_common.errors import CheckpointError
+
+GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
+ARCHITECTURES = ("qwen3", "qwen2")  # llama.cpp's names of the decoder families read here (as model_type)
+LAYER_NAMES = {  # llama.cpp's per-layer tensor names -> Hugging Face's
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+CARRIED = {"Q4_0": 4, "Q8_0": 8}  # GGUF types whose blocks `MatMulNBits` holds exactly, and its bits for them
+CARRIED_BLOCK = 32
+FLOAT_TYPES = ("F32", "F16", "BF16")
+ROW_CHUNK = 1 << 22  # weights dequantized at a time
+# the split pattern of each byte-level pre-tokenizer llama.cpp names (`tokenizer.ggml.pre`); None: GPT-2's own
+PRE_TOKENIZERS = {
+    "gpt-2": None,
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special and added tokens
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def _open(file: Path):
+    """The file's `GGUFReader`, or a one-line error for a missing, truncated or foreign file."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install 'dspark[export]'") from None
+
+    if not file.is_file():
+        raise CheckpointError(f"GGUF file {file} does not exist")
+    try:
+        return GGUFReader(file)
+    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors on bad files
+        raise CheckpointError(f"{file} is not a readable GGUF file (truncated or corrupt: {exc})") from None
+
+
+class GGUFFile:
+    """A GGUF file's metadata (fields by key) and tensors (by their Hugging Face names)."""
+
+    def __init__(self, file: str | Path):
+        self.file = Path(file)
+        self.reader = _open(self.file)
+        self.architecture = self.field("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise CheckpointError(f"{self.file.name}: GGUF architecture {self.architecture!r} is not one DSpark builds "
+                                  f"(it reads {', '.join(ARCHITECTURES)})")
+        self.tensors = {}
+        for tensor in self.reader.tensors:
+            name = _hf_name(tensor.name)
+            if name is None:
+                raise CheckpointError(f"{self.file.name}: tensor {tensor.name} has no place in a "
+                                      f"{self.architecture} decoder")
+            self.tensors[name] = tensor
+
+    def field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise CheckpointError(f"{self.file.name} lacks the GGUF metadata {key}")
+            return default
+        return field.contents()
+
+    def hf_config(self) -> dict:
+        """config.json's fields, from the metadata."""
+        arch = self.architecture
+        heads = int(self.field(f"{arch}.attention.head_count"))
+        hidden = int(self.field(f"{arch}.embedding_length"))
+        return {
+            "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+            "model_type": arch,
+            "vocab_size": int(self.tensors["model.embed_tokens.weight"].shape[1]),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.field(f"{arch}.feed_forward_length")),
+            "num_hidden_layers": int(self.field(f"{arch}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{arch}.attention.head_count_kv", heads)),
+            "head_dim": int(self.field(f"{arch}.attention.key_length", hidden // heads)),
+            "rms_norm_eps": _decimal(self.field(f"{arch}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": _decimal(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.field(f"{arch}.context_length")),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def quantization_mix(self) -> dict[str, str]:
+        """Each kind of matrix (q_proj, down_proj, embed_tokens, ...) and the GGUF types it is stored in."""
+        kinds: dict[str, Counter] = {}
+        for name, tensor in self.tensors.items():
+            if len(tensor.shape) == 2:
+                kind = name.split(".")[-2]
+                kinds.setdefault(kind, Counter())[tensor.tensor_type.name] += 1
+        return {kind: ", ".join(f"{t} x{n}" if n > 1 else t for t, n in types.items()) for kind, types in kinds.items()}
+
+    def main_type(self) -> str:
+        """The type most of the weights' bytes are stored in."""
+        sizes = Counter()
+        for tensor in self.tensors.values():
+            sizes[tensor.tensor_type.name] += int(tensor.n_bytes)
+        return sizes.most_common(1)[0][0]
+
+
+def _decimal(value: float) -> float:
+    """A float32 field as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def _hf_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def natural_weights(gguf: GGUFFile) -> str:
+    """The engine weight format a file's quantization maps onto: int4 for 4-bit types and below, int8 for 5- to
+    8-bit ones (re-quantized to 4 bits they would lose what the user chose them for), fp32 for float files."""
+    main = gguf.main_type()
+    if main in FLOAT_TYPES:
+        return "fp32"
+    return "int8" if main.startswith(("Q8", "Q6", "Q5")) else "int4"
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------------------------
+def tokenizer_json(gguf: GGUFFile) -> str:
+    """tokenizer.json for a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2"), made with `tokenizers`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    model = gguf.field("tokenizer.ggml.model")
+    pre = gguf.field("tokenizer.ggml.pre", "gpt-2")
+    if model != "gpt2" or pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{gguf.file.name}: tokenizer {model}/{pre} is not one DSpark rebuilds (it reads gpt2 "
+                              f"byte-level BPE with pre-tokenizer {', '.join(PRE_TOKENIZERS)})")
+    tokens = list(gguf.field("tokenizer.ggml.tokens"))
+    kinds = list(gguf.field("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(merge.split(" ", 1)) for merge in gguf.field("tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE({token: index for index, token in enumerate(tokens)}, merges,
+                                     ignore_merges=False))
+    pattern = PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pattern is None)
+    tokenizer.pre_tokenizer = byte_level if pattern is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_tokens([AddedToken(tokens[i], special=kinds[i] == CONTROL, normalized=False)
+                          for i in range(len(tokens)) if kinds[i] in (CONTROL, USER_DEFINED)])
+    return tokenizer.to_str()
+
+
+def tokenizer_config(gguf: GGUFFile) -> dict:
+    """tokenizer_config.json: the end, padding and (when the file adds it) beginning tokens, and the chat template."""
+    tokens = gguf.field("tokenizer.ggml.tokens")
+    named = lambda key: tokens[int(gguf.field(key))] if key in gguf.reader.fields else None  # noqa: E731
+    config = {"eos_token": named("tokenizer.ggml.eos_token_id"), "pad_token": named("tokenizer.ggml.padding_token_id"),
+              "bos_token": named("tokenizer.ggml.bos_token_id") if gguf.field("tokenizer.ggml.add_bos_token", False)
+              else None}
+    if "tokenizer.chat_template" in gguf.reader.fields:
+        config["chat_template"] = gguf.field("tokenizer.chat_template")
+    return config
+
+
+# ---- the side folder -------------------------------------------------------------------------------------------
+def prepare(file: str | Path) -> Path:
+    """A side folder (removed at exit) that reads as a Hugging Face model folder: config and tokenizer from the
+    file's metadata, the file linked in as `model.gguf`."""
+    file = Path(file).expanduser().resolve()
+    gguf = GGUFFile(file)
+    folder = Path(tempfile.mkdtemp(prefix=f"dspark-{file.stem}-"))
+    atexit.register(shutil.rmtree, folder, True)
+    (folder / "config.json").write_text(json.dumps(gguf.hf_config(), indent=1))
+    (folder / "tokenizer.json").write_text(tokenizer_json(gguf), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf), indent=1), encoding="utf-8")
+    (folder / GGUF_FILE).symlink_to(file)
+    return folder
+
+
+# ---- the weights -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dequantized:
+    """A quantized GGUF matrix as float32 [rows, columns], dequantized only for the rows a slice asks for."""
+
+    data: np.ndarray  # [rows, bytes per row]
+    qtype: object  # GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def __getitem__(self, rows) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        return dequantize(np.asarray(self.data[rows]), self.qtype).reshape(-1, self.shape[1])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.astype(dtype or np.float32)
+
+    def astype(self, dtype) -> np.ndarray:
+        step = max(1, ROW_CHUNK // self.shape[1])
+        return np.concatenate([self[start: start + step] for start in range(0, self.shape[0], step)]).astype(dtype)
+
+
+class GGUFCheckpoint:
+    """`Checkpoint`'s interface over a prepared GGUF: tensors by Hugging Face name, shape-checked."""
+
+    def __init__(self, folder: Path, config: DecoderConfig):
+        from dspark_export.checkpoint import expected_shapes
+
+        self.path, self.config = Path(folder), config
+        self.gguf = GGUFFile(self.path / GGUF_FILE)
+        for name, shape in expected_shapes(config).items():
+            if name not in self.gguf.tensors:
+                raise CheckpointError(f"{self.gguf.file.name} lacks the tensor for {name}")
+            if tuple(int(n) for n in reversed(self.gguf.tensors[name].shape)) != shape:
+                raise CheckpointError(f"{self.gguf.file.name}: {name} has shape "
+                                      f"{list(reversed(self.gguf.tensors[name].shape))}, expected {list(shape)}")
+        self.tensors = self.gguf.tensors
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+    def raw(self, name: str):
+        """(array, dtype) as `Checkpoint.raw`: float tensors as stored, quantized ones as a `Dequantized` view."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise CheckpointError(f"{self.gguf.file.name} has no tensor for {name}")
+        kind = tensor.tensor_type.name
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if kind == "F32":
+            return np.asarray(tensor.data).reshape(shape), "float32"
+        if kind == "F16":
+            return np.asarray(tensor.data).reshape(shape), "float16"
+        if kind == "BF16":
+            return np.asarray(tensor.data).view(np.uint16).reshape(shape), "bfloat16"
+        return Dequantized(tensor.data.reshape(shape[0], -1), tensor.tensor_type, shape), "float32"
+
+    def float32(self, name: str) -> np.ndarray:
+        from dspark_export.checkpoint import as_float32
+
+        return as_float32(*self.raw(name))
+
+    def carries(self, name: str, bits: int | None, block_size: int) -> bool:
+        """Whether `carried` has this matrix's codes for that layout."""
+        return CARRIED.get(self.tensors[name].tensor_type.name) == bits and block_size == CARRIED_BLOCK
+
+    def carried(self, name: str, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """`MatMulNBits` codes [n, K/32, 32·bits/8] and float32 scales [n, K/32] of a Q4_0 (bits 4) or Q8_0 (bits 8)
+        matrix, exact; None for any other type or layout."""
+        if not self.carries(name, bits, block_size):
+            return None
+        tensor = self.tensors[name]
+        rows = int(tensor.shape[1])
+        blocks = np.asarray(tensor.data).reshape(rows, -1, 2 + CARRIED_BLOCK * bits // 8)
+        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+        quants = blocks[..., 2:]
+        if bits == 8:  # signed bytes -> unsigned codes around MatMulNBits' implicit zero point 128
+            return quants ^ np.uint8(0x80), scales
+        values = np.concatenate([quants & 0xF, quants >> 4], axis=-1)  # GGUF: element j low, j + 16 high nibble
+        return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8), scales
+
+    def lm_head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+
+
+def quantization_report(checkpoint: GGUFCheckpoint, weights) -> dict:
+    """What `inspect` says of a GGUF target built in `weights` (a WeightFormat): its types per kind of matrix, which
+    kinds the engine holds exactly (carried blocks, or float weights), and for the others the relative RMS error of
+    re-quantizing them (measured on the first tensor of each kind)."""
+    from dspark_export.graphs.weights import quantized_values
+
+    gguf, exact, requantized = checkpoint.gguf, set(), {}
+    for name, tensor in gguf.tensors.items():
+        kind = name.split(".")[-2]
+        if len(tensor.shape) != 2 or kind in exact or kind in requantized:
+            continue
+        if weights.bits is None or checkpoint.carries(name, weights.bits, weights.block_size):
+            exact.add(kind)
+            continue
+        values = checkpoint.float32(name)
+        error = quantized_values(values, weights.bits, weights.block_size) - values
+        requantized[kind] = round(float(np.sqrt((error**2).mean() / (values**2).mean())), 5)
+    return {"file": str(gguf.file.resolve()), "main_type": gguf.main_type(), "weights": natural_weights(gguf),
+            "types": gguf.quantization_mix(), "exact": sorted(exact), "requantized": requantized,
+            "carried": not requantized and weights.bits is not None,
+            "requantized_error": max(requantized.values(), default=0.0)}

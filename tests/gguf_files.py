@@ -1,0 +1,75 @@
+"""GGUF files of a Hugging Face Qwen3/Qwen2 folder, written with the `gguf` package under llama.cpp's names and
+metadata keys (as its `convert_hf_to_gguf.py` writes them), every 2-D weight in one GGUF type."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    if name in globals_:
+        return globals_[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{NAMES[module]}.{kind}"
+
+
+def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str | None = None) -> Path:
+    """`folder` (config.json, model.safetensors, tokenizer files) as one GGUF file of weight type `qtype`."""
+    import gguf
+    from gguf.quants import quantize
+
+    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.config import DecoderConfig
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = architecture or config["model_type"]
+    writer = gguf.GGUFWriter(str(file), arch)
+    heads = config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = dict(tokenizer["model"]["vocab"]) | {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
+    writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer_config["chat_template"])
+    checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
+    for name in checkpoint.tensors:
+        values = checkpoint.float32(name)
+        if values.ndim == 2 and qtype != "F32":
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name(name), quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name(name), values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file

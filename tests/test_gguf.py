@@ -1,0 +1,141 @@
+"""GGUF targets: files the `gguf` package writes from the demo target (F32, Q8_0, Q4_0, and Q5_0 for a type that
+is re-quantized) build into engines that compute with the file's own weights, speculate losslessly, and carry the
+Hugging Face tokenizer and chat template over; bad files fail in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from click.testing import CliRunner  # noqa: E402
+
+from dspark_common.errors import DSparkError  # noqa: E402
+from dspark_common.sampling import SamplingParams  # noqa: E402
+from dspark_common.tokenizer import ChatTokenizer  # noqa: E402
+from dspark_export.build import build_engine  # noqa: E402
+from dspark_export.checkpoint import open_checkpoint  # noqa: E402
+from dspark_export.cli import main as export_main  # noqa: E402
+from dspark_export.drafters.bundled import resolve_drafter  # noqa: E402
+from dspark_export.graphs.target import build_target_onnx  # noqa: E402
+from dspark_export.graphs.weights import WeightFormat  # noqa: E402
+from dspark_export.model import DecoderModel  # noqa: E402
+from dspark_export.presets import demo_dir, resolve_target  # noqa: E402
+from dspark_runtime import Engine  # noqa: E402
+from dspark_runtime.backend import OrtBackend, OrtRunner  # noqa: E402
+from dspark_runtime.batches import TargetBatch  # noqa: E402
+from dspark_common.graph_io import target_io  # noqa: E402
+from tests.gguf_files import write_gguf  # noqa: E402
+
+TYPES = ("F32", "Q8_0", "Q4_0", "Q5_0")
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+         "Hello,  world! 12345 naïve café 😀\n\n\ttabs", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return {qtype: write_gguf(demo_dir(), root / f"demo-{qtype}.gguf", qtype) for qtype in TYPES}
+
+
+def test_the_tokenizer_and_chat_template_are_the_hugging_face_ones(files):
+    spec = resolve_target(None, files["Q4_0"])
+    ours, theirs = ChatTokenizer.from_dir(spec.path), ChatTokenizer.from_dir(demo_dir())
+    assert ours.vocab_hash() == theirs.vocab_hash() and ours.special == theirs.special
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(ours.encode(text)) == text
+    chat = [{"role": "user", "content": "Write a haiku."}]
+    assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat)
+    assert ours.eos_token_ids[0] == theirs.eos_token_ids[0] and ours.pad_token_id == theirs.pad_token_id
+    assert spec.config.architecture_fields() == resolve_target("demo").config.architecture_fields()
+
+
+@pytest.mark.parametrize("qtype, weights", [("F32", "fp32"), ("Q8_0", "int8"), ("Q4_0", "int4"), ("Q5_0", "int8"),
+                                            ("Q5_0", "int4")])
+def test_an_engine_computes_with_the_files_own_weights(files, tmp_path, qtype, weights):
+    """Logits of every position of a prompt equal the torch model holding the GGUF's dequantized weights (at
+    accuracy level 0, float compute): each file's default format holds its blocks exactly (Q5_0's 5-bit codes fit
+    int8's blocks of 32 too); Q5_0 forced into int4 is re-quantized and differs."""
+    spec = resolve_target(None, files[qtype])
+    assert spec.weights == weights or (qtype, weights) == ("Q5_0", "int4")
+    checkpoint = open_checkpoint(spec.path, spec.config)
+    graph = build_target_onnx(checkpoint, tmp_path / "target.onnx", weights=WeightFormat(weights, accuracy_level=0),
+                              lowering="ort", cache_rows=64)
+    config = spec.config
+    io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size, 0,
+                   "float32", True, 1, 64)
+    ids = np.asarray(ChatTokenizer.from_dir(spec.path).encode(TEXTS[0]))[:20]
+    logits = OrtRunner(graph, io, threads=1).run(
+        TargetBatch(ids, np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
+                    np.arange(len(ids))))["logits"]
+    with torch.no_grad():
+        reference = DecoderModel.from_checkpoint(checkpoint, "float32")(torch.from_numpy(ids[None])).logits[0].numpy()
+    error = np.abs(logits - reference).max()
+    assert error < 1e-3 if (qtype, weights) != ("Q5_0", "int4") else error > 1e-3
+    if qtype == "Q4_0":  # and not our own int4 of the same weights: the file's blocks were carried
+        ours = build_target_onnx(open_checkpoint(demo_dir(), config), tmp_path / "ours.onnx",
+                                 weights=WeightFormat("int4", accuracy_level=0), lowering="ort", cache_rows=64)
+        assert open(ours.with_suffix(".onnx.data"), "rb").read() != open(graph.with_suffix(".onnx.data"), "rb").read()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_greedy_speculation_on_a_gguf_engine_equals_its_target(files, tmp_path, qtype):
+    """Verification steps of every length compute alike (`fixed:1` = `fixed:3`); and where this CPU computes a
+    token alone as in a batch (`one_row_drift` 0: int4 on AVX-512 VNNI, not on AVX2), they equal `off` too."""
+    from dspark_runtime.profiling import one_row_drift
+
+    spec = resolve_target(None, files[qtype])
+    folder = build_engine(spec, tmp_path / "engine", resolve_drafter("demo-dspark"), "demo-dspark", cache_slots=2,
+                          max_context=256, show_progress=False, weights=WeightFormat(spec.weights))
+    assert json.loads((folder / "manifest.json").read_text())["sources"]["target"]
+    with Engine.load(folder, OrtBackend(threads=1)) as engine:
+        one_row_alike = one_row_drift(engine.core, 8) == 0.0
+        for prompt in TEXTS[:2]:
+            verified = engine.generate(prompt, GREEDY, spec="fixed:1").token_ids
+            assert engine.generate(prompt, GREEDY, spec="fixed:3").token_ids == verified
+            if one_row_alike:
+                assert engine.generate(prompt, GREEDY, spec="off").token_ids == verified
+
+
+def test_inspect_names_each_files_quantization(files):
+    for qtype, options, weights, exact in (("Q4_0", [], "int4", True), ("Q5_0", [], "int8", True),
+                                           ("Q5_0", ["--weights", "int4"], "int4", False)):
+        result = CliRunner().invoke(export_main, ["inspect", "--target-path", str(files[qtype]), "--json", *options])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["weights"] == str(files[qtype].resolve()) and report["memory"]["weights"] == weights
+        found = report["gguf"]
+        assert found["main_type"] == qtype and found["types"]["q_proj"] == f"{qtype} x6"
+        assert found["carried"] == (qtype == "Q4_0") and (found["requantized_error"] > 0.05) == (not exact)
+
+
+def test_bad_gguf_files_fail_in_one_line(files, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(files["Q4_0"].read_bytes()[: 1 << 20])
+    foreign = write_gguf(demo_dir(), tmp_path / "foreign.gguf", "Q8_0", architecture="gemma")
+    for file, message in ((truncated, "not a readable GGUF file"), (foreign, "architecture 'gemma' is not one"),
+                          (tmp_path / "missing.gguf", "does not exist")):
+        result = CliRunner().invoke(export_main, ["build", "--target-path", str(file), "--no-drafter", "--out",
+                                                  str(tmp_path / "engine")])
+        assert result.exit_code != 0 and message in result.output, result.output
+        assert not (tmp_path / "engine").exists()
+
+
+def test_a_drafter_for_another_vocabulary_is_refused(tmp_path):
+    """The bundled drafter (8192 tokens) beside a GGUF of another model (300 tokens): refused, nothing written."""
+    from dspark_export.demo.tokenizer import train_tokenizer
+    from tests.conftest import write_hf_checkpoint
+
+    other = write_hf_checkpoint(tmp_path / "other", vocab_size=300, max_position_embeddings=64)
+    train_tokenizer(["a small text for a small tokenizer"] * 4, other, vocab_size=300)
+    file = write_gguf(other, tmp_path / "other.gguf", "Q8_0")
+    with pytest.raises(DSparkError, match="vocab_size=8192, but this target has vocab_size=300"):
+        build_engine(resolve_target(None, file), tmp_path / "engine", resolve_drafter("demo-dspark"), "demo-dspark",
+                     show_progress=False)
+    assert not (tmp_path / "engine").exists()
