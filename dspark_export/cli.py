@@ -18,8 +18,9 @@ from dspark_common.graph_io import DRAFTER_TYPES
 def target_options(command):
     """`--target NAME` and `--target-path DIR|FILE.gguf`, shared by every command that loads a target."""
     command = click.option("--target-path", type=click.Path(path_type=str), default=None,
-                           help="Hugging Face model folder (config.json + safetensors) or a GGUF file (llama.cpp's, "
-                                "Ollama's, LM Studio's); never downloaded.")(command)
+                           help="Hugging Face model folder (config.json + safetensors), a GGUF file, or a GGUF by "
+                                "name where its tool keeps it (ollama:qwen3:8b, lmstudio:ORG/REPO, hf:ORG/REPO); "
+                                "never downloaded.")(command)
     return click.option("--target", type=click.Choice(KNOWN_TARGETS), default=None,
                         help="Named architecture; weights from --target-path or the local Hugging Face cache.")(command)
 

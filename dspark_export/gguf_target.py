@@ -58,7 +58,15 @@ CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special and added tok
 
 
 def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
+    """A `.gguf` name, or a file that starts with GGUF's magic (Ollama keeps its files as blobs without a suffix)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _open(file: Path):

@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from dspark_export.config import DecoderConfig
+from dspark_export.gguf_stores import find_gguf, is_store_reference, store_label
 from dspark_export.gguf_target import GGUFFile, is_gguf, natural_weights, prepare
 from dspark_common.errors import CheckpointError, ConfigError
 
@@ -125,12 +126,14 @@ def resolve_target(name: str | None = None, path: str | Path | None = None) -> T
     if name is not None and name not in KNOWN_TARGETS:
         raise ConfigError(f"unknown target {name!r}; known targets: {', '.join(KNOWN_TARGETS)}")
     if path is not None:
-        path = Path(path).expanduser()
+        reference = str(path)
+        path = find_gguf(reference) if is_store_reference(reference) else Path(path).expanduser()
         if is_gguf(path):  # a GGUF file reads as a model folder made from its metadata
             config = DecoderConfig.from_dir(folder := prepare(path))
             if name is not None:
                 _check_against_preset(name, config)
-            return TargetSpec(name or path.stem, config, folder, (path,), natural_weights(GGUFFile(path)))
+            label = store_label(reference) if is_store_reference(reference) else path.stem
+            return TargetSpec(name or label, config, folder, (path,), natural_weights(GGUFFile(path)))
         if not path.is_dir():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
         config = DecoderConfig.from_dir(path)

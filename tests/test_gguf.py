@@ -43,6 +43,17 @@ def files(tmp_path_factory):
     return {qtype: write_gguf(demo_dir(), root / f"demo-{qtype}.gguf", qtype) for qtype in TYPES}
 
 
+def graph_logits(checkpoint, graph_file, ids: np.ndarray, weights: WeightFormat = WeightFormat()) -> np.ndarray:
+    """The logits of every position of `ids`, prefilled in one call of a target graph built from `checkpoint`."""
+    config = checkpoint.config
+    graph = build_target_onnx(checkpoint, graph_file, weights=weights, lowering="ort", cache_rows=64)
+    io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size, 0,
+                   "float32", True, 1, 64)
+    batch = TargetBatch(ids, np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
+                        np.arange(len(ids)))
+    return OrtRunner(graph, io, threads=1).run(batch)["logits"]
+
+
 def test_the_tokenizer_and_chat_template_are_the_hugging_face_ones(files):
     spec = resolve_target(None, files["Q4_0"])
     ours, theirs = ChatTokenizer.from_dir(spec.path), ChatTokenizer.from_dir(demo_dir())
@@ -65,23 +76,16 @@ def test_an_engine_computes_with_the_files_own_weights(files, tmp_path, qtype, w
     spec = resolve_target(None, files[qtype])
     assert spec.weights == weights or (qtype, weights) == ("Q5_0", "int4")
     checkpoint = open_checkpoint(spec.path, spec.config)
-    graph = build_target_onnx(checkpoint, tmp_path / "target.onnx", weights=WeightFormat(weights, accuracy_level=0),
-                              lowering="ort", cache_rows=64)
-    config = spec.config
-    io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size, 0,
-                   "float32", True, 1, 64)
     ids = np.asarray(ChatTokenizer.from_dir(spec.path).encode(TEXTS[0]))[:20]
-    logits = OrtRunner(graph, io, threads=1).run(
-        TargetBatch(ids, np.arange(len(ids)), np.zeros(len(ids), np.int64), np.zeros(1, np.int64),
-                    np.arange(len(ids))))["logits"]
+    logits = graph_logits(checkpoint, tmp_path / "target.onnx", ids, WeightFormat(weights, accuracy_level=0))
     with torch.no_grad():
         reference = DecoderModel.from_checkpoint(checkpoint, "float32")(torch.from_numpy(ids[None])).logits[0].numpy()
     error = np.abs(logits - reference).max()
     assert error < 1e-3 if (qtype, weights) != ("Q5_0", "int4") else error > 1e-3
     if qtype == "Q4_0":  # and not our own int4 of the same weights: the file's blocks were carried
-        ours = build_target_onnx(open_checkpoint(demo_dir(), config), tmp_path / "ours.onnx",
+        ours = build_target_onnx(open_checkpoint(demo_dir(), spec.config), tmp_path / "ours.onnx",
                                  weights=WeightFormat("int4", accuracy_level=0), lowering="ort", cache_rows=64)
-        assert open(ours.with_suffix(".onnx.data"), "rb").read() != open(graph.with_suffix(".onnx.data"), "rb").read()
+        assert (tmp_path / "ours.onnx.data").read_bytes() != (tmp_path / "target.onnx.data").read_bytes()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
@@ -139,3 +143,60 @@ def test_a_drafter_for_another_vocabulary_is_refused(tmp_path):
         build_engine(resolve_target(None, file), tmp_path / "engine", resolve_drafter("demo-dspark"), "demo-dspark",
                      show_progress=False)
     assert not (tmp_path / "engine").exists()
+
+
+def test_a_gguf_is_found_by_name_where_its_tool_keeps_it(files, tmp_path, monkeypatch):
+    """Ollama's manifests and blobs, LM Studio's models folder and the Hugging Face cache, as those tools lay them
+    out; an unknown name and an ambiguous folder fail in one line."""
+    import shutil
+
+    home, ollama, hub = tmp_path / "home", tmp_path / "ollama", tmp_path / "hub"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("OLLAMA_MODELS", str(ollama))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    digest = "sha256:" + "ab" * 32
+    manifest = ollama / "manifests" / "registry.ollama.ai" / "library" / "demo" / "q4"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+    (ollama / "blobs").mkdir()
+    shutil.copy(files["Q4_0"], ollama / "blobs" / digest.replace(":", "-"))
+    lmstudio = home / ".lmstudio" / "models" / "dspark" / "demo-GGUF"
+    lmstudio.mkdir(parents=True)
+    for qtype in ("Q4_0", "Q8_0"):
+        shutil.copy(files[qtype], lmstudio / files[qtype].name)
+    snapshot = hub / "models--dspark--demo-GGUF" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    shutil.copy(files["Q8_0"], snapshot / "demo-Q8_0.gguf")
+
+    for reference, name, weights in (("ollama:demo:q4", "demo-q4", "int4"),
+                                     ("lmstudio:dspark/demo-GGUF/demo-Q8_0.gguf", "dspark-demo-GGUF-demo-Q8_0", "int8"),
+                                     ("hf:dspark/demo-GGUF", "dspark-demo-GGUF", "int8")):
+        spec = resolve_target(None, reference)
+        assert (spec.name, spec.weights) == (name, weights)
+        assert spec.config.architecture_fields() == resolve_target("demo").config.architecture_fields()
+    for reference, message in (("ollama:qwen3:8b", "Ollama has no model qwen3:8b here"),
+                               ("lmstudio:dspark/demo-GGUF", "holds several GGUF files; name one"),
+                               ("hf:dspark/other", "the Hugging Face cache has no GGUF file dspark/other")):
+        with pytest.raises(DSparkError, match=message):
+            resolve_target(None, reference)
+
+
+def test_a_qwen2_gguf_keeps_its_attention_biases(tmp_path):
+    """Qwen2.5's q/k/v biases come through llama.cpp's names: the GGUF engine's logits equal the safetensors
+    checkpoint's torch model."""
+    from dspark_export.demo.tokenizer import train_tokenizer
+    from tests.conftest import write_hf_checkpoint
+
+    folder = write_hf_checkpoint(tmp_path / "qwen2", architecture="qwen2", vocab_size=300, max_position_embeddings=64)
+    train_tokenizer(["a small text for a small tokenizer"] * 4, folder, vocab_size=300)
+    spec = resolve_target(None, write_gguf(folder, tmp_path / "qwen2.gguf"))
+    assert spec.config == resolve_target(None, folder).config.with_dtype("float32")
+    checkpoint = open_checkpoint(spec.path, spec.config)
+    assert "model.layers.0.self_attn.q_proj.bias" in checkpoint.tensors
+    ids = np.arange(3, 15)
+    logits = graph_logits(checkpoint, tmp_path / "target.onnx", ids)
+    reference = DecoderModel.from_checkpoint(open_checkpoint(folder, resolve_target(None, folder).config), "float32")
+    with torch.no_grad():
+        assert np.abs(logits - reference(torch.from_numpy(ids[None])).logits[0].numpy()).max() < 1e-4
