@@ -9,6 +9,8 @@ rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -49,10 +51,9 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
     new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
-    for layer in range(config.num_layers):
-        p = f"layers.{layer}."
-        attn = p + "self_attn."
-        h = ops.rms_norm(x, p + "input_layernorm.weight")
+    def attend(layer: int, h: str) -> str:
+        """The block rows' attention over [cache; new context; block]; writes the new context rows' K/V."""
+        attn = f"layers.{layer}.self_attn."
         # one projection of [context; block] rows: the context rows give only keys and values (q of them is unused)
         q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), attn, (hq, hkv), t.qk_norm, t.qkv_bias)
         k = ops.rope(k, cos, sin)
@@ -63,11 +64,13 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         b.nodes.append(varlen_attention_node(
             [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,
              "cache_len"], attended_all, d, bidirectional=True, name=f"attention_node_{layer}"))
-        attended = b.op("Slice", attended_all, context_count, end, b.const([0]))
-        x = b.op("Add", x, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
-        h = ops.rms_norm(x, p + "post_attention_layernorm.weight")
-        x = b.op("Add", x, ops.swiglu(h, p + "mlp."))
-    hidden = b.op("Reshape", ops.rms_norm(x, "norm.weight"), b.op("Concat", requests, b.const([rows, -1]), axis=0))
+        return b.op("Reshape", b.op("Slice", attended_all, context_count, end, b.const([0])), flat_shape)
+
+    h = ops.rms_norm(x, "layers.0.input_layernorm.weight")
+    for layer in range(config.num_layers):
+        next_norm = "norm.weight" if layer == config.num_layers - 1 else f"layers.{layer + 1}.input_layernorm.weight"
+        h, x = ops.layer(h, x, f"layers.{layer}.", next_norm, partial(attend, layer))
+    hidden = b.op("Reshape", h, b.op("Concat", requests, b.const([rows, -1]), axis=0))  # h: normed by norm.weight
     _sequential_head(b, ops, config, hidden, sampler)  # [R, N, H]
 
 

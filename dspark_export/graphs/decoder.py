@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 from onnx import TensorProto
 
@@ -10,10 +12,31 @@ from dspark_plugins.builder import GraphBuilder
 
 
 class DecoderOps:
-    """The ops of a decoder layer on [T, H] activations, appending to one GraphBuilder."""
+    """The ops of a decoder layer on [T, H] activations, appending to one GraphBuilder. `fused_norms`: each residual
+    add and the norm after it are ONNX Runtime's one `SkipSimplifiedLayerNormalization` (else Add, then the norm)."""
 
-    def __init__(self, b: GraphBuilder, weights: Weights, eps: float, dtype: int, head_dim: int):
+    def __init__(self, b: GraphBuilder, weights: Weights, eps: float, dtype: int, head_dim: int,
+                 fused_norms: bool = False):
         self.b, self.weights, self.eps, self.dtype, self.head_dim = b, weights, eps, dtype, head_dim
+        self.fused_norms = fused_norms
+
+    def layer(self, h: str, x: str, prefix: str, next_norm: str, attend: Callable[[str], str]) -> tuple[str, str]:
+        """One pre-norm decoder layer, every form's (`{prefix}self_attn.o_proj.weight`, `{prefix}mlp.` ...): from the
+        layer's normed input `h` and the residual stream `x`, the next layer's normed input (normed by `next_norm`,
+        model.norm's after the last layer) and the new residual. `attend(h)` is the attention output [T, Hq·D]."""
+        h, x = self.add_norm(x, self.linear(attend(h), prefix + "self_attn.o_proj.weight"),
+                             prefix + "post_attention_layernorm.weight")
+        return self.add_norm(x, self.swiglu(h, prefix + "mlp."), next_norm)
+
+    def add_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
+        """(RMSNorm(x + delta) · weight, x + delta)."""
+        b = self.b
+        if self.fused_norms:
+            normed, _, _, total = b.op("SkipSimplifiedLayerNormalization", delta, x, self.weights(weight), outputs=4,
+                                       domain="com.microsoft", epsilon=self.eps)
+            return normed, total
+        total = b.op("Add", x, delta)
+        return self.rms_norm(total, weight), total
 
     def rms_norm(self, x: str, weight_name: str) -> str:
         """Normalise in float32 over the last axis, then scale in the graph dtype (as Hugging Face does)."""

@@ -41,8 +41,9 @@ def eagle3_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler
 
     def finish(attended: str, hidden: str) -> str:
         residual = ops.rms_norm(hidden, layer + "hidden_norm.weight") if config.norm_before_residual else hidden
-        x = b.op("Add", residual, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"))
-        return b.op("Add", x, ops.swiglu(ops.rms_norm(x, layer + "post_attention_layernorm.weight"), layer + "mlp."))
+        h, x = ops.add_norm(residual, ops.linear(b.op("Reshape", attended, flat_shape), attn + "o_proj.weight"),
+                            layer + "post_attention_layernorm.weight")
+        return b.op("Add", x, ops.swiglu(h, layer + "mlp."))
 
     def attend(query: str, keys: list[str], values: list[str], slots: list[str], positions: list[str]) -> str:
         """Causal varlen attention of `query` (the newest rows) over [context entries; chain so far]."""

@@ -57,8 +57,8 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     store = ExternalData(graph_file)
     stream = Weights(checkpoint.raw, store, dtype, weights, progress, carried=checkpoint.carried)
     b = GraphBuilder()
-    ops = DecoderOps(b, stream, config.rms_norm_eps, ONNX_DTYPES[dtype], config.head_dim)
-    layers = TargetLayers(b, ops, config, io, lowering, attention, cache_rows or config.max_position_embeddings)
+    ops = DecoderOps(b, stream, config.rms_norm_eps, ONNX_DTYPES[dtype], config.head_dim, lowering == "ort")
+    layers = TargetLayers(b, ops, config, io, attention, cache_rows or config.max_position_embeddings)
     x = stream.embedding(b, "input_ids", "model.embed_tokens.weight")
     h = ops.rms_norm(x, "model.layers.0.input_layernorm.weight")
     taps = [x] if -1 in feature_layers else []
@@ -82,9 +82,8 @@ class TargetLayers:
     """The decoder layers in one lowering; `layer(i, h, x)` takes the layer's normed input and the residual
     stream and returns the next layer's normed input (model.norm's after the last) and the new residual."""
 
-    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: DecoderConfig, io, lowering: str, attention: str,
-                 cache_rows: int):
-        self.b, self.ops, self.config, self.lowering, self.attention = b, ops, config, lowering, attention
+    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: DecoderConfig, io, attention: str, cache_rows: int):
+        self.b, self.ops, self.config, self.attention = b, ops, config, attention
         self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
         self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention == "gqa" else \
             (io.cache_names("new_key"), io.cache_names("new_value"))
@@ -99,24 +98,10 @@ class TargetLayers:
             self.flat_shape = b.const([-1, config.num_attention_heads * d])
 
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
-        ops, p = self.ops, f"model.layers.{layer}."
-        attended = self._attention(layer, h, p + "self_attn.")
-        h, x = self._add_norm(
-            x, ops.linear(attended, p + "self_attn.o_proj.weight"), p + "post_attention_layernorm.weight"
-        )
+        p = f"model.layers.{layer}."
         last = layer == self.config.num_hidden_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
-        return self._add_norm(x, ops.swiglu(h, p + "mlp."), next_norm)
-
-    def _add_norm(self, x: str, delta: str, weight: str) -> tuple[str, str]:
-        """(RMSNorm(x + delta) · weight, x + delta)."""
-        b, ops = self.b, self.ops
-        if self.lowering == "ort":
-            normed, _, _, total = b.op("SkipSimplifiedLayerNormalization", delta, x, ops.weights(weight), outputs=4,
-                                       domain="com.microsoft", epsilon=ops.eps)
-            return normed, total
-        total = b.op("Add", x, delta)
-        return ops.rms_norm(total, weight), total
+        return self.ops.layer(h, x, p, next_norm, lambda h: self._attention(layer, h, p + "self_attn."))
 
     def _attention(self, layer: int, h: str, prefix: str) -> str:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
