@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark_export.checkpoint import open_checkpoint, expected_shapes
+from dspark_export.checkpoint import expected_shapes
 from dspark_export.config import DTYPES, DecoderConfig
 from dspark_export.drafters.draft_vocab import COUNTS_FILE, DraftVocab, default_draft_vocab, with_draft_vocab
 from dspark_export.graphs.drafter import build_drafter_onnx
@@ -131,7 +131,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
     folder = spec.require_path()
-    checkpoint = open_checkpoint(folder, spec.config)
+    checkpoint = spec.checkpoint()
     tokenizer = ChatTokenizer.from_dir(folder)
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
     if gamma is not None:

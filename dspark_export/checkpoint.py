@@ -208,11 +208,3 @@ class Checkpoint:
     def lm_head_name(self) -> str:
         return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
 
-
-def open_checkpoint(folder: str | Path, config: DecoderConfig):
-    """The checkpoint of a model folder: safetensors, or a GGUF file's side folder (`gguf_target.prepare`)."""
-    from dspark_export.gguf_target import GGUF_FILE, GGUFCheckpoint
-
-    if (Path(folder) / GGUF_FILE).exists():
-        return GGUFCheckpoint(Path(folder), config)
-    return Checkpoint(folder, config)

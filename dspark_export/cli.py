@@ -427,7 +427,6 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     """
     from pathlib import Path
 
-    from dspark_export.checkpoint import open_checkpoint
     from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.interop import open_drafter
     from dspark_export.interop.export import convert_drafter
@@ -435,7 +434,7 @@ def convert(drafter, target, target_path, layout, out, force) -> None:
     from dspark_common.tokenizer import ChatTokenizer
 
     spec = resolve_target(*default_to_demo(target, target_path))
-    checkpoint = open_checkpoint(spec.require_path(), spec.config)
+    checkpoint = spec.checkpoint()
     source = open_drafter(
         resolve_drafter(drafter), spec.config, checkpoint, ChatTokenizer.from_dir(spec.require_path())
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_export.checkpoint import open_checkpoint
 from dspark_export.gguf_target import GGUFCheckpoint, quantization_report
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.presets import PRESETS, TargetSpec
@@ -17,7 +16,7 @@ def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: Wei
     The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
     """
     config = spec.config
-    checkpoint = open_checkpoint(spec.path, config) if spec.path is not None else None
+    checkpoint = spec.checkpoint() if spec.path is not None else None
     gguf = quantization_report(checkpoint, weights) if isinstance(checkpoint, GGUFCheckpoint) else None
     return {
         "target": spec.name,

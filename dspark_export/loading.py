@@ -6,7 +6,6 @@ from typing import Callable
 
 import torch
 
-from dspark_export.checkpoint import open_checkpoint
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.model import DecoderModel, to_torch
 from dspark_export.presets import TargetSpec
@@ -27,13 +26,13 @@ def load_target(spec: TargetSpec, dtype: str = "float32", weights: str = "fp32",
             f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model only {spec.config.vocab_size}"
         )
     fmt = WeightFormat(weights)
-    return DecoderModel.from_checkpoint(open_checkpoint(folder, spec.config), dtype, streamed,
+    return DecoderModel.from_checkpoint(spec.checkpoint(), dtype, streamed,
                                       quantizer(fmt) if fmt.bits else None, stream_head), tokenizer
 
 
 def lm_head_weight(spec: TargetSpec) -> torch.Tensor:
     """The target's LM head [V, H] in float32, read from its checkpoint (for a model that streams it)."""
-    checkpoint = open_checkpoint(spec.require_path(), spec.config)
+    checkpoint = spec.checkpoint()
     return to_torch(*checkpoint.raw(checkpoint.lm_head_name())).float()
 
 
@@ -60,7 +59,7 @@ def load_drafters(spec: TargetSpec, model: DecoderModel, tokenizer: ChatTokenize
     from dspark_export.drafters.draft_vocab import with_draft_vocab
     from dspark_export.interop import open_drafter
 
-    checkpoint = open_checkpoint(spec.require_path(), spec.config)
+    checkpoint = spec.checkpoint()
     chosen = draft_vocab and draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size)
     drafters = {}
     for name in names:

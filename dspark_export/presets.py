@@ -6,14 +6,14 @@ cache that is already on disk.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dspark_export.config import DecoderConfig
-from dspark_export.gguf_stores import find_gguf, is_store_reference, store_label
-from dspark_export.gguf_target import GGUFFile, is_gguf, natural_weights, prepare
+from dspark_export.checkpoint import Checkpoint
+from dspark_export.gguf_target import GGUF_FILE, GGUFCheckpoint, GGUFFile, is_gguf, natural_weights, prepare
+from dspark_export.model_stores import cached_snapshots, find_gguf, hf_cache_roots, is_store_reference, store_label
 from dspark_common.errors import CheckpointError, ConfigError
 
 
@@ -71,29 +71,6 @@ def demo_dir() -> Path:
     return Path(str(resources.files("dspark_export") / "assets" / "demo"))
 
 
-def hf_cache_roots() -> list[Path]:
-    """Hugging Face hub caches in the order `huggingface_hub` itself consults them."""
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        roots.append(Path(os.environ["HF_HOME"]) / "hub")
-    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return list(dict.fromkeys(roots))
-
-
-def cached_snapshots(repo_id: str) -> list[Path]:
-    """Snapshot folders of `repo_id` in the local caches, the one `refs/main` names first."""
-    found = []
-    for root in hf_cache_roots():
-        repo = root / ("models--" + repo_id.replace("/", "--"))
-        main_ref = repo / "refs" / "main"
-        if main_ref.is_file():
-            found.append(repo / "snapshots" / main_ref.read_text().strip())
-        found.extend(sorted((repo / "snapshots").glob("*")))
-    return [path for path in dict.fromkeys(found) if (path / "config.json").is_file()]
-
-
 @dataclass(frozen=True)
 class TargetSpec:
     """A resolved target: its architecture and, when found, the folder holding its weights."""
@@ -113,6 +90,13 @@ class TargetSpec:
                 "pass --target-path DIR (a Hugging Face model folder): DSpark never downloads weights"
             )
         return self.path
+
+    def checkpoint(self) -> Checkpoint | GGUFCheckpoint:
+        """The weights: a safetensors folder's, or a GGUF file's (`gguf_target.prepare`'s side folder)."""
+        folder = self.require_path()
+        if (folder / GGUF_FILE).exists():
+            return GGUFCheckpoint(folder, self.config)
+        return Checkpoint(folder, self.config)
 
 
 def resolve_target(name: str | None = None, path: str | Path | None = None) -> TargetSpec:

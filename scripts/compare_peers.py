@@ -22,7 +22,12 @@ At real size (a pair grown by `../shared/tools/grow/grow.py`, weights generated,
         --peers ort-genai,llama.cpp,llama.cpp-dspark:3 --llama-cpp VENDOR/llama.cpp --limit 5 --max-tokens 64 \
         --rounds 3 --modes off,async,fixed:3,fixed:7 [--temperature 1]
 
-Peers run the checkpoint at the engine's weight precision.
+Peers run the checkpoint at the engine's weight precision. `--gguf-engine` also runs DSpark on an engine built from
+the very GGUF file the llama.cpp peer runs (`dspark-export build --target-path FILE.gguf`: its Q4_0/Q8_0 blocks carried
+over), and the report counts the tokens each runner shares with the reference mode before their first divergence:
+
+    python scripts/compare_peers.py ENGINE_DIR --peers llama.cpp --llama-cpp VENDOR/llama.cpp --gguf-engine \
+        --modes off,fixed:3 [--gguf-type q8_0]
 
 Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
@@ -194,7 +199,7 @@ def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf
     return generate
 
 
-def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float,
+def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float, prefix: str = "",
                   **_) -> dict[str, Generate]:
     from dataclasses import replace
     from functools import partial
@@ -208,7 +213,7 @@ def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temper
     def generate(ids: list[int], tokens: int, mode: str) -> list[int]:
         return engine.generate(ids, replace(params, max_tokens=tokens, seed=next(seeds)), spec=mode).token_ids
 
-    return {mode: partial(generate, mode=mode) for mode in modes}
+    return {prefix + mode: partial(generate, mode=mode) for mode in modes}
 
 
 PEERS = {"transformers": transformers_peer, "ort-genai": ort_genai_peer, "llama.cpp": llama_cpp_peer}
@@ -250,6 +255,22 @@ def deepspec_drafter(drafter: str, model_dir: Path, work: Path) -> Path:
         subprocess.run(["dspark-export", "convert", drafter, "--target-path", str(model_dir), "--to",
                         "deepspec", "--out", str(out), "--force"], check=True, capture_output=True)
     return out
+
+
+def gguf_engine(gguf: Path, drafter: str | None, work: Path) -> Path:
+    """A DSpark engine built from the GGUF file llama.cpp runs (with the drafter), profiled, written once."""
+    out = work / f"{gguf.stem}-dspark-engine"
+    if not (out / "hardware_curve.json").is_file():
+        drafter_options = ["--drafter", drafter] if drafter else ["--no-drafter"]
+        subprocess.run(["dspark-export", "build", "--target-path", str(gguf), *drafter_options, "--cache-slots", "1",
+                        "--max-context", "2048", "--out", str(out), "--force"], check=True, capture_output=True)
+        subprocess.run(["dspark-run", "profile", str(out)], check=True, capture_output=True)
+    return out
+
+
+def agreeing_prefix(tokens: list[int], reference: list[int]) -> int:
+    """How many tokens `tokens` shares with `reference` before they first differ."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
 
 def cpu_line() -> str:
@@ -303,6 +324,9 @@ def main() -> None:
                         help="the Hugging Face folder the engine was built from (default: its named target's)")
     parser.add_argument("--drafter", default=None,
                         help="the drafter folder the engine was built with (default: its named drafter)")
+    parser.add_argument("--gguf-engine", action="store_true",
+                        help="also run DSpark on an engine built from the GGUF file the llama.cpp peer runs (modes "
+                             "prefixed gguf-), to compare outputs and speed on the same quantized weights")
     args = parser.parse_args()
 
     from dspark_export.build import default_engine_dir
@@ -331,6 +355,12 @@ def main() -> None:
         "ort-genai": f"ort-genai-{precision}",
         "llama.cpp": f"llama.cpp-{gguf_type}",
     }
+    if args.gguf_engine:
+        if args.llama_cpp is None:
+            parser.error("--gguf-engine needs --llama-cpp (its converter and llama-quantize write the file)")
+        gguf = gguf_file(args.llama_cpp, model_dir, args.work, gguf_type, model_dir.name)
+        engine = gguf_engine(gguf, args.drafter or manifest.drafter_name, args.work)
+        runners.append(Runner("dspark", common | {"engine_dir": str(engine), "modes": modes, "prefix": "gguf-"}))
     for name in names:
         kind, _, draft_max = name.partition("-dspark:")
         options = common | {"model_dir": model_dir, "precision": precision, "work": args.work,
@@ -350,6 +380,7 @@ def main() -> None:
     by_round: list[dict[str, float]] = []  # each round's median per runner
     ttft: dict[str, list[float]] = {name: [] for _, name in order}
     agree = {name: 0 for _, name in order}
+    prefix_tokens = {name: 0 for _, name in order}  # tokens agreeing with the reference until the first divergence
     for runner, name in order:  # warm-up
         runner.generate(name, prompts[0], args.max_tokens)
     for round_ in range(args.rounds):
@@ -369,6 +400,7 @@ def main() -> None:
         if args.temperature == 0:
             for name in outputs:
                 agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[modes[0]]))
+                prefix_tokens[name] += sum(map(agreeing_prefix, outputs[name], outputs[modes[0]]))
     for runner in runners:
         runner.close()
     medians = {name: float(np.median(values)) for name, values in speeds.items()}
@@ -386,6 +418,9 @@ def main() -> None:
         report[f"ttft_seconds_{len(ttft_prompt)}_tokens"] = {k: round(float(np.median(v)), 3) for k, v in ttft.items()}
     if args.temperature == 0:
         report[f"prompts_with_the_same_greedy_output_as_{modes[0]}"] = agree
+        generated = args.rounds * len(prompts) * args.max_tokens
+        report[f"share_of_tokens_agreeing_with_{modes[0]}_until_the_first_divergence"] = {
+            name: round(count / generated, 3) for name, count in prefix_tokens.items()}
     print(json.dumps(report, indent=2))
 
 

@@ -56,8 +56,7 @@ def median_ms(session, feeds: dict, repeats: int) -> float:
 def main() -> None:
     import onnxruntime as ort
 
-    from dspark_export.checkpoint import open_checkpoint
-    from dspark_export.drafters.bundled import resolve_drafter
+        from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.drafters.draft_vocab import DraftVocab, with_draft_vocab
     from dspark_export.graphs.drafter import build_drafter_onnx
     from dspark_export.graphs.weights import WeightFormat
@@ -77,7 +76,7 @@ def main() -> None:
                         help="draft over this many tokens, by the target's token_counts.json (as CPU engines do)")
     args = parser.parse_args()
     spec = resolve_target(args.target)
-    checkpoint = open_checkpoint(spec.require_path(), spec.config)
+    checkpoint = spec.checkpoint()
     source = open_drafter(resolve_drafter(args.drafter), spec.config, checkpoint)
     if args.draft_vocab:
         counts = (spec.require_path() / "token_counts.json",)

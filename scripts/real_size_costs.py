@@ -94,7 +94,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from dspark_export.build import build_engine
-    from dspark_export.checkpoint import open_checkpoint
+    from dspark_export.checkpoint import Checkpoint
     from dspark_export.drafters.draft_vocab import DraftVocab, with_draft_vocab
     from dspark_export.graphs.drafter import build_drafter_onnx
     from dspark_export.graphs.weights import WeightFormat
@@ -110,7 +110,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(SCRIPTS / "random_checkpoint.py"), "--target", args.target, "--out",
                         str(checkpoint_dir)], check=True)
     spec = resolve_target(None, str(checkpoint_dir))
-    checkpoint = open_checkpoint(checkpoint_dir, spec.config)
+    checkpoint = Checkpoint(checkpoint_dir, spec.config)
     engine_dir = args.work / f"{args.target}-int4"
     if not (engine_dir / "manifest.json").is_file():
         build_engine(spec, engine_dir, weights=WeightFormat("int4"), cache_slots=1, max_context=512, force=True)

@@ -18,7 +18,7 @@ from dspark_common.errors import DSparkError  # noqa: E402
 from dspark_common.sampling import SamplingParams  # noqa: E402
 from dspark_common.tokenizer import ChatTokenizer  # noqa: E402
 from dspark_export.build import build_engine  # noqa: E402
-from dspark_export.checkpoint import open_checkpoint  # noqa: E402
+from dspark_export.checkpoint import Checkpoint  # noqa: E402
 from dspark_export.cli import main as export_main  # noqa: E402
 from dspark_export.drafters.bundled import resolve_drafter  # noqa: E402
 from dspark_export.graphs.target import build_target_onnx  # noqa: E402
@@ -75,7 +75,7 @@ def test_an_engine_computes_with_the_files_own_weights(files, tmp_path, qtype, w
     int8's blocks of 32 too); Q5_0 forced into int4 is re-quantized and differs."""
     spec = resolve_target(None, files[qtype])
     assert spec.weights == weights or (qtype, weights) == ("Q5_0", "int4")
-    checkpoint = open_checkpoint(spec.path, spec.config)
+    checkpoint = spec.checkpoint()
     ids = np.asarray(ChatTokenizer.from_dir(spec.path).encode(TEXTS[0]))[:20]
     logits = graph_logits(checkpoint, tmp_path / "target.onnx", ids, WeightFormat(weights, accuracy_level=0))
     with torch.no_grad():
@@ -83,7 +83,7 @@ def test_an_engine_computes_with_the_files_own_weights(files, tmp_path, qtype, w
     error = np.abs(logits - reference).max()
     assert error < 1e-3 if (qtype, weights) != ("Q5_0", "int4") else error > 1e-3
     if qtype == "Q4_0":  # and not our own int4 of the same weights: the file's blocks were carried
-        ours = build_target_onnx(open_checkpoint(demo_dir(), spec.config), tmp_path / "ours.onnx",
+        ours = build_target_onnx(Checkpoint(demo_dir(), spec.config), tmp_path / "ours.onnx",
                                  weights=WeightFormat("int4", accuracy_level=0), lowering="ort", cache_rows=64)
         assert (tmp_path / "ours.onnx.data").read_bytes() != (tmp_path / "target.onnx.data").read_bytes()
 
@@ -193,10 +193,10 @@ def test_a_qwen2_gguf_keeps_its_attention_biases(tmp_path):
     train_tokenizer(["a small text for a small tokenizer"] * 4, folder, vocab_size=300)
     spec = resolve_target(None, write_gguf(folder, tmp_path / "qwen2.gguf"))
     assert spec.config == resolve_target(None, folder).config.with_dtype("float32")
-    checkpoint = open_checkpoint(spec.path, spec.config)
+    checkpoint = spec.checkpoint()
     assert "model.layers.0.self_attn.q_proj.bias" in checkpoint.tensors
     ids = np.arange(3, 15)
     logits = graph_logits(checkpoint, tmp_path / "target.onnx", ids)
-    reference = DecoderModel.from_checkpoint(open_checkpoint(folder, resolve_target(None, folder).config), "float32")
+    reference = DecoderModel.from_checkpoint(resolve_target(None, folder).checkpoint(), "float32")
     with torch.no_grad():
         assert np.abs(logits - reference(torch.from_numpy(ids[None])).logits[0].numpy()).max() < 1e-4

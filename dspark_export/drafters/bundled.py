@@ -7,7 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from dspark_common.errors import CheckpointError
-from dspark_export.presets import cached_snapshots, hf_cache_roots
+from dspark_export.model_stores import cached_snapshots, hf_cache_roots
 
 BUNDLED_PREFIX = "demo-"
 DEMO_DRAFTER = "demo-dspark"  # the demo's default drafter

@@ -1,4 +1,7 @@
-"""GGUF files found by name where the tools that downloaded them keep them; nothing is ever downloaded.
+"""Models found where the tools that downloaded them keep them; nothing is ever downloaded.
+
+Hugging Face snapshots by repository id (`cached_snapshots`, for `--target NAME` and drafters by repo id), and GGUF
+files by a `store:name` reference (`find_gguf`):
 
     ollama:qwen3:8b                 Ollama's store ($OLLAMA_MODELS, ~/.ollama/models, /usr/share/ollama/.ollama/models):
                                     the manifest of model:tag (tag "latest" when left out) names the weights' blob
@@ -24,6 +27,29 @@ OLLAMA_REGISTRY = "registry.ollama.ai"
 
 def is_store_reference(text: str) -> bool:
     return text.split(":", 1)[0] in STORES and ":" in text
+
+
+def hf_cache_roots() -> list[Path]:
+    """Hugging Face hub caches in the order `huggingface_hub` itself consults them."""
+    roots = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(roots))
+
+
+def cached_snapshots(repo_id: str) -> list[Path]:
+    """Snapshot folders of `repo_id` in the local caches, the one `refs/main` names first."""
+    found = []
+    for root in hf_cache_roots():
+        repo = root / ("models--" + repo_id.replace("/", "--"))
+        main_ref = repo / "refs" / "main"
+        if main_ref.is_file():
+            found.append(repo / "snapshots" / main_ref.read_text().strip())
+        found.extend(sorted((repo / "snapshots").glob("*")))
+    return [path for path in dict.fromkeys(found) if (path / "config.json").is_file()]
 
 
 def store_label(reference: str) -> str:
@@ -72,8 +98,6 @@ def lmstudio_file(name: str) -> Path:
 
 
 def hf_cache_file(name: str) -> Path:
-    from dspark_export.presets import hf_cache_roots
-
     org, repo, *file = name.split("/", 2)
     repos = [root / f"models--{org}--{repo}" for root in hf_cache_roots()]
     snapshots = [snapshot for folder in repos for snapshot in sorted((folder / "snapshots").glob("*"))]
