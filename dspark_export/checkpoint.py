@@ -200,9 +200,11 @@ class Checkpoint:
         """One tensor widened to float32 (a copy)."""
         return as_float32(*self.raw(name))
 
-    def carried(self, name: str, bits: int, block_size: int) -> None:
-        """Quantized codes to carry into an engine as they are: safetensors hold float weights, so none
-        (`GGUFCheckpoint.carried` has them)."""
+    def carried_layout(self, name: str) -> None:
+        """Safetensors hold float weights: nothing to carry into a quantized engine as it is (a GGUF may)."""
+        return None
+
+    def carried(self, name: str) -> None:
         return None
 
     def lm_head_name(self) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_export.config import DecoderConfig
+from dspark_export.graphs.weights import Carried, Layout
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
@@ -44,8 +45,11 @@ LAYER_NAMES = {  # llama.cpp's per-layer tensor names -> Hugging Face's
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-CARRIED = {"Q4_0": 4, "Q8_0": 8}  # GGUF types whose blocks `MatMulNBits` holds exactly, and its bits for them
 CARRIED_BLOCK = 32
+EXACT = 1e-6  # a relative RMS error of re-quantization below this is float rounding: the format holds the grid
+CARRIED = {  # GGUF types whose blocks `MatMulNBits` holds exactly, and how
+    "Q4_0": Layout(4, CARRIED_BLOCK), "Q8_0": Layout(8, CARRIED_BLOCK), "Q6_K": Layout(8, 16, zero_points=True)}
+Q6_K_BYTES, Q6_K_SCALES = 210, slice(192, 208)  # a 256-weight Q6_K block: ql[128], qh[64], scales[16] (int8), d
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_CHUNK = 1 << 22  # weights dequantized at a time
 # the split pattern of each byte-level pre-tokenizer llama.cpp names (`tokenizer.ggml.pre`); None: GPT-2's own
@@ -229,6 +233,17 @@ def prepare(file: str | Path) -> Path:
 
 
 # ---- the weights -----------------------------------------------------------------------------------------------
+def _q6_k(data: np.ndarray, rows: int, values: "Dequantized") -> Carried:
+    """A Q6_K matrix's 6-bit codes (8-bit, zero point 32) and per-16 scales d·s from its blocks and its values."""
+    blocks = data.reshape(rows, -1, Q6_K_BYTES)
+    d = np.ascontiguousarray(blocks[..., -2:]).view(np.float16)[..., 0].astype(np.float32)  # [n, K/256]
+    scales = (d[..., None] * blocks[..., Q6_K_SCALES].view(np.int8)).reshape(rows, -1)  # [n, K/16]
+    wide = np.asarray(values).reshape(rows, scales.shape[1], 16)
+    safe = np.where(scales == 0, 1, scales)[..., None]
+    codes = (np.clip(np.rint(wide / safe), -32, 31) + 32).astype(np.uint8)
+    return Carried(codes, scales.astype(np.float32), np.full(scales.shape, 32, np.uint8), CARRIED["Q6_K"])
+
+
 @dataclass(frozen=True)
 class Dequantized:
     """A quantized GGUF matrix as float32 [rows, columns], dequantized only for the rows a slice asks for."""
@@ -290,24 +305,31 @@ class GGUFCheckpoint:
 
         return as_float32(*self.raw(name))
 
-    def carries(self, name: str, bits: int | None, block_size: int) -> bool:
-        """Whether `carried` has this matrix's codes for that layout."""
-        return CARRIED.get(self.tensors[name].tensor_type.name) == bits and block_size == CARRIED_BLOCK
+    def carried_layout(self, name: str) -> Layout | None:
+        """The MatMulNBits layout that holds this matrix exactly (Q4_0, Q8_0, Q6_K), or None."""
+        return CARRIED.get(self.tensors[name].tensor_type.name)
 
-    def carried(self, name: str, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """`MatMulNBits` codes [n, K/32, 32·bits/8] and float32 scales [n, K/32] of a Q4_0 (bits 4) or Q8_0 (bits 8)
-        matrix, exact; None for any other type or layout."""
-        if not self.carries(name, bits, block_size):
+    def carried(self, name: str) -> Carried | None:
+        """This matrix's own codes and scales in MatMulNBits' layout, exact; None for a type it cannot hold.
+
+        Q4_0: (q - 8)·d, GGUF's element j in the low and j + 16 in the high nibble, re-paired; Q8_0: q·d, a signed
+        byte offset by 128; Q6_K: d·s·(q - 32) per 16 weights, a 6-bit q as an 8-bit code with zero point 32 and the
+        scale d·s (exact in float32), its codes read back from the dequantized values."""
+        layout = self.carried_layout(name)
+        if layout is None:
             return None
         tensor = self.tensors[name]
-        rows = int(tensor.shape[1])
-        blocks = np.asarray(tensor.data).reshape(rows, -1, 2 + CARRIED_BLOCK * bits // 8)
+        rows, kind = int(tensor.shape[1]), tensor.tensor_type.name
+        data = np.asarray(tensor.data).reshape(rows, -1)
+        if kind == "Q6_K":
+            return _q6_k(data, rows, self.raw(name)[0])
+        blocks = data.reshape(rows, -1, 2 + CARRIED_BLOCK * layout.bits // 8)
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
         quants = blocks[..., 2:]
-        if bits == 8:  # signed bytes -> unsigned codes around MatMulNBits' implicit zero point 128
-            return quants ^ np.uint8(0x80), scales
+        if kind == "Q8_0":  # signed bytes -> unsigned codes around MatMulNBits' implicit zero point 128
+            return Carried(quants ^ np.uint8(0x80), scales, None, layout)
         values = np.concatenate([quants & 0xF, quants >> 4], axis=-1)  # GGUF: element j low, j + 16 high nibble
-        return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8), scales
+        return Carried((values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8), scales, None, layout)
 
     def lm_head_name(self) -> str:
         return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
@@ -324,12 +346,16 @@ def quantization_report(checkpoint: GGUFCheckpoint, weights) -> dict:
         kind = name.split(".")[-2]
         if len(tensor.shape) != 2 or kind in exact or kind in requantized:
             continue
-        if weights.bits is None or checkpoint.carries(name, weights.bits, weights.block_size):
+        if weights.bits is None or checkpoint.carried_layout(name):
             exact.add(kind)
             continue
         values = checkpoint.float32(name)
         error = quantized_values(values, weights.bits, weights.block_size) - values
-        requantized[kind] = round(float(np.sqrt((error**2).mean() / (values**2).mean())), 5)
+        relative = float(np.sqrt((error**2).mean() / (values**2).mean()))
+        if relative < EXACT:  # another grid that fits the format's (Q5_0 in int8)
+            exact.add(kind)
+        else:
+            requantized[kind] = round(relative, 5)
     return {"file": str(gguf.file.resolve()), "main_type": gguf.main_type(), "weights": natural_weights(gguf),
             "types": gguf.quantization_mix(), "exact": sorted(exact), "requantized": requantized,
             "carried": not requantized and weights.bits is not None,

@@ -27,7 +27,7 @@ the very GGUF file the llama.cpp peer runs (`dspark-export build --target-path F
 over), and the report counts the tokens each runner shares with the reference mode before their first divergence:
 
     python scripts/compare_peers.py ENGINE_DIR --peers llama.cpp --llama-cpp VENDOR/llama.cpp --gguf-engine \
-        --modes off,fixed:3 [--gguf-type q8_0]
+        --modes off,fixed:3 --reference llama.cpp-q4_0 [--gguf-type q8_0]
 
 Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
@@ -261,9 +261,12 @@ def gguf_engine(gguf: Path, drafter: str | None, work: Path) -> Path:
     """A DSpark engine built from the GGUF file llama.cpp runs (with the drafter), profiled, written once."""
     out = work / f"{gguf.stem}-dspark-engine"
     if not (out / "hardware_curve.json").is_file():
+        from dspark_export.presets import resolve_target
+
         drafter_options = ["--drafter", drafter] if drafter else ["--no-drafter"]
+        context = min(2048, resolve_target(None, gguf).config.max_position_embeddings)
         subprocess.run(["dspark-export", "build", "--target-path", str(gguf), *drafter_options, "--cache-slots", "1",
-                        "--max-context", "2048", "--out", str(out), "--force"], check=True, capture_output=True)
+                        "--max-context", str(context), "--out", str(out), "--force"], check=True, capture_output=True)
         subprocess.run(["dspark-run", "profile", str(out)], check=True, capture_output=True)
     return out
 
@@ -324,6 +327,8 @@ def main() -> None:
                         help="the Hugging Face folder the engine was built from (default: its named target's)")
     parser.add_argument("--drafter", default=None,
                         help="the drafter folder the engine was built with (default: its named drafter)")
+    parser.add_argument("--reference", default=None,
+                        help="the runner whose greedy outputs the others are compared with (default: the first mode)")
     parser.add_argument("--gguf-engine", action="store_true",
                         help="also run DSpark on an engine built from the GGUF file the llama.cpp peer runs (modes "
                              "prefixed gguf-), to compare outputs and speed on the same quantized weights")
@@ -374,6 +379,9 @@ def main() -> None:
         runners.append(Runner(kind, options))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
+    reference = args.reference or modes[0]
+    if reference not in [name for _, name in order]:
+        parser.error(f"--reference {reference}: no runner has that name ({', '.join(name for _, name in order)})")
     prompts = [tokenizer.encode(row["prompt"]) for row in rows]
     ttft_prompt = long_prompt(prompts, args.ttft_tokens) if args.ttft_tokens else None
     speeds: dict[str, list[float]] = {name: [] for _, name in order}  # per prompt, every round
@@ -399,8 +407,8 @@ def main() -> None:
         by_round.append({name: float(np.median(speeds[name][-len(prompts):])) for name in outputs})
         if args.temperature == 0:
             for name in outputs:
-                agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[modes[0]]))
-                prefix_tokens[name] += sum(map(agreeing_prefix, outputs[name], outputs[modes[0]]))
+                agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[reference]))
+                prefix_tokens[name] += sum(map(agreeing_prefix, outputs[name], outputs[reference]))
     for runner in runners:
         runner.close()
     medians = {name: float(np.median(values)) for name, values in speeds.items()}
@@ -417,9 +425,9 @@ def main() -> None:
     if ttft_prompt:
         report[f"ttft_seconds_{len(ttft_prompt)}_tokens"] = {k: round(float(np.median(v)), 3) for k, v in ttft.items()}
     if args.temperature == 0:
-        report[f"prompts_with_the_same_greedy_output_as_{modes[0]}"] = agree
+        report[f"prompts_with_the_same_greedy_output_as_{reference}"] = agree
         generated = args.rounds * len(prompts) * args.max_tokens
-        report[f"share_of_tokens_agreeing_with_{modes[0]}_until_the_first_divergence"] = {
+        report[f"share_of_tokens_agreeing_with_{reference}_until_the_first_divergence"] = {
             name: round(count / generated, 3) for name, count in prefix_tokens.items()}
     print(json.dumps(report, indent=2))
 

@@ -55,7 +55,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
                    config.hidden_size * len(feature_layers), dtype, in_place=attention == "gqa")
     store = ExternalData(graph_file)
-    stream = Weights(checkpoint.raw, store, dtype, weights, progress, carried=checkpoint.carried)
+    stream = Weights(checkpoint.raw, store, dtype, weights, progress, carrier=checkpoint)
     b = GraphBuilder()
     ops = DecoderOps(b, stream, config.rms_norm_eps, ONNX_DTYPES[dtype], config.head_dim, lowering == "ort")
     layers = TargetLayers(b, ops, config, io, attention, cache_rows or config.max_position_embeddings)

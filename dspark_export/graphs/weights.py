@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 from onnx import TensorProto
@@ -37,8 +37,36 @@ FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # we
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
-# (name, bits, block size) -> a checkpoint's own codes and scales in `quantize_rows`' layout, or None (`carried`)
-CarriedReader = Callable[[str, int, int], "tuple[np.ndarray, np.ndarray] | None"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a quantized matrix is stored: bits per code, weights per block, and whether blocks have zero points
+    (else MatMulNBits' implicit 2^(bits-1))."""
+
+    bits: int
+    block_size: int
+    zero_points: bool = False
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A checkpoint's own quantized matrix [n, K] in MatMulNBits' layout: codes [n, K/block, block·bits/8] (4-bit
+    codes two to a byte, the even element low), float32 scales [n, K/block], uint8 zero points [n, K/block] or
+    None; w = (code - zero point) · scale."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    layout: Layout
+
+
+class Carrier(Protocol):
+    """A checkpoint that holds quantized matrices (a GGUF's): what it can hand over as they are."""
+
+    def carried_layout(self, name: str) -> Layout | None: ...
+
+    def carried(self, name: str) -> Carried | None: ...
 
 
 @dataclass(frozen=True)
@@ -155,14 +183,14 @@ class Weights:
         strict: bool = True,
         lender: "Weights | None" = None,
         borrowed: dict[str, str] | None = None,
-        carried: CarriedReader | None = None,
+        carrier: Carrier | None = None,
     ):
         """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
-        name) are used from there, in its format and dtype, and stored once for both graphs. `carried` gives a
-        checkpoint's already quantized weights (a GGUF's Q4_0, Q8_0) where their layout is the format's: those are
-        stored as they are, not quantized again."""
+        name) are used from there, in its format and dtype, and stored once for both graphs. With a quantized format,
+        a `carrier`'s own quantized matrices (a GGUF's Q4_0, Q8_0, Q6_K) are stored as they are, in their own
+        layout, not quantized again."""
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
-        self.carried = carried
+        self.carrier = carrier
         self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
         self.initializers: dict[str, TensorProto] = {}
 
@@ -181,7 +209,8 @@ class Weights:
                 float_input: bool = True) -> str:
         """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
         lender, theirs = self.lender, self.borrowed[name]
-        keys = [theirs + ".q", theirs + ".scales"] if lender._quantizes(theirs) else [theirs]
+        keys = [theirs + ".q", theirs + ".scales", theirs + ".zp"] if lender._quantizes(theirs) else [theirs]
+        keys = [key for key in keys if not key.endswith(".zp") or key in lender.initializers]
         missing = [key for key in keys if key not in lender.initializers]
         if missing:
             raise ConfigError(f"the target graph has no initializer {missing[0]} to share")
@@ -224,13 +253,18 @@ class Weights:
         names = [names] if isinstance(names, str) else list(names)
         if names[0] in self.borrowed and len(names) == 1 and bias is None:
             return self._borrow(b, x, names[0], lambda lender, x, name: lender.linear(b, x, name))
-        biases = [] if bias is None else [self._tensor([bias] if isinstance(bias, str) else list(bias))]
+        biases = [] if bias is None else [bias] if isinstance(bias, str) else list(bias)
         if not self._quantizes(names[0]):
-            return b.op("Gemm", x, self._tensor(names), *biases, transB=1)
-        codes, scales, n, k = self._quantized(names)
-        return b.op("MatMulNBits", x, codes, scales, *(["", "", *biases] if biases else []), domain="com.microsoft",
-                    K=k, N=n, bits=self.format.bits, block_size=self.format.block_size,
-                    accuracy_level=self.format.accuracy_level)
+            return b.op("Gemm", x, self._tensor(names), *([self._tensor(biases)] if biases else []), transB=1)
+        if len(names) > 1 and len({self._layout_of(name) for name in names}) > 1:  # carried in different layouts
+            return b.op("Concat", *[self.linear(b, x, name, biases[i] if biases else None)
+                                    for i, name in enumerate(names)], axis=-1)
+        codes, scales, zero_points, layout, n, k = self._quantized(names)
+        extra = [zero_points or "", *([""] + [self._tensor(biases)] if biases else [])]
+        while extra and not extra[-1]:
+            extra.pop()
+        return b.op("MatMulNBits", x, codes, scales, *extra, domain="com.microsoft", K=k, N=n, bits=layout.bits,
+                    block_size=layout.block_size, accuracy_level=self.format.accuracy_level)
 
     def embedding(self, b: GraphBuilder, ids: str, name: str) -> str:
         """Rows `ids` of the [vocab, hidden] table `name`, dequantized in the graph when the format quantizes (the
@@ -239,12 +273,13 @@ class Weights:
             return self._borrow(b, ids, name, lambda lender, ids, theirs: lender.embedding(b, ids, theirs), False)
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
-        codes, scales, vocab, hidden = self._quantized([name])
+        codes, scales, zero_points, layout, vocab, hidden = self._quantized([name])
         # the codes as MatMulNBits stores them, [vocab, blocks, bytes per block], quantized along their last axis:
         # no reshape of the codes, which ONNX Runtime would fold into a second copy (only the scales get one)
-        rows = b.op("GatherBlockQuantized", codes, ids, b.op("Reshape", scales, b.const([vocab, -1, 1])),
-                    domain="com.microsoft", bits=self.format.bits, block_size=self.format.block_size, gather_axis=0,
-                    quantize_axis=2)
+        per_block = b.const([vocab, -1, 1])
+        rows = b.op("GatherBlockQuantized", codes, ids, b.op("Reshape", scales, per_block),
+                    *([b.op("Reshape", zero_points, per_block)] if zero_points else []), domain="com.microsoft",
+                    bits=layout.bits, block_size=layout.block_size, gather_axis=0, quantize_axis=2)
         return b.op("Reshape", rows, b.const([-1, hidden]))
 
     def _tensor(self, names: list[str]) -> str:
@@ -257,34 +292,52 @@ class Weights:
             self._done(len(names))
         return key
 
-    def _quantized(self, names: list[str]) -> tuple[str, str, int, int]:
-        """(codes, scales) initializers of the weights `names` stacked along their outputs, quantized slice by slice."""
+    def _layout_of(self, name: str) -> Layout:
+        """The layout `name` is stored in: the carrier's own, else the format's."""
+        carried = self.carrier and self.carrier.carried_layout(name)
+        return carried or Layout(self.format.bits, self.format.block_size)
+
+    def _quantized(self, names: list[str]) -> tuple[str, str, str | None, Layout, int, int]:
+        """(codes, scales, zero points or None) initializers of the weights `names` stacked along their outputs, their
+        layout, n and K: carried as the checkpoint holds them when it holds all of them in one layout, else
+        quantized slice by slice. A graph's existing initializers (a lender's) tell their layout by their shapes."""
         key = "+".join(names)
-        codes_name, scales_name = key + ".q", key + ".scales"
+        codes_name, scales_name, zero_name = key + ".q", key + ".scales", key + ".zp"
         arrays = [self.read(name) for name in names]
         k = arrays[0][0].shape[1]
         n = sum(array.shape[0] for array, _ in arrays)
-        block = self.format.block_size
-        if codes_name not in self.initializers:
-            step = max(1, CHUNK_ELEMENTS // k)
-            scales = []
-
-            def chunks() -> Iterator[np.ndarray]:
-                for name, (array, stored) in zip(names, arrays):
-                    exact = self.carried and self.carried(name, self.format.bits, block)
-                    if exact:
-                        scales.append(exact[1])
-                        yield exact[0]
-                        continue
-                    for start in range(0, array.shape[0], step):
-                        codes, chunk_scales = quantize_rows(
-                            as_float32(array[start : start + step], stored), self.format.bits, block
-                        )
-                        scales.append(chunk_scales)
-                        yield codes
-
-            blob = block * self.format.bits // 8
-            self.initializers[codes_name] = self.store.add_chunks(codes_name, (n, k // block, blob), "uint8", chunks())
-            self._add(scales_name, np.concatenate(scales).astype(self.dtype), self.dtype)
+        if codes_name in self.initializers:
+            blocks, blob = self.initializers[codes_name].dims[1:]
+            zero = zero_name in self.initializers
+            layout = Layout(blob * 8 // (k // blocks), k // blocks, zero)
+            return codes_name, scales_name, zero_name if zero else None, layout, n, k
+        layouts = {self._layout_of(name) for name in names}
+        carried = [self.carrier.carried(name) for name in names] if self.carrier and \
+            all(self.carrier.carried_layout(name) for name in names) and len(layouts) == 1 else None
+        if carried:
+            layout = carried[0].layout
+            self.initializers[codes_name] = self.store.add_chunks(
+                codes_name, (n, k // layout.block_size, layout.block_size * layout.bits // 8), "uint8",
+                [c.codes for c in carried])
+            self._add(scales_name, np.concatenate([c.scales for c in carried]).astype(self.dtype), self.dtype)
+            if layout.zero_points:
+                self._add(zero_name, np.concatenate([c.zero_points for c in carried]), "uint8")
             self._done(len(names))
-        return codes_name, scales_name, n, k
+            return codes_name, scales_name, zero_name if layout.zero_points else None, layout, n, k
+        layout, block = Layout(self.format.bits, self.format.block_size), self.format.block_size
+        step = max(1, CHUNK_ELEMENTS // k)
+        scales = []
+
+        def chunks() -> Iterator[np.ndarray]:
+            for array, stored in arrays:
+                for start in range(0, array.shape[0], step):
+                    codes, chunk_scales = quantize_rows(as_float32(array[start : start + step], stored), layout.bits,
+                                                        block)
+                    scales.append(chunk_scales)
+                    yield codes
+
+        blob = block * layout.bits // 8
+        self.initializers[codes_name] = self.store.add_chunks(codes_name, (n, k // block, blob), "uint8", chunks())
+        self._add(scales_name, np.concatenate(scales).astype(self.dtype), self.dtype)
+        self._done(len(names))
+        return codes_name, scales_name, None, layout, n, k
