@@ -358,5 +358,5 @@ def quantization_report(checkpoint: GGUFCheckpoint, weights) -> dict:
             requantized[kind] = round(relative, 5)
     return {"file": str(gguf.file.resolve()), "main_type": gguf.main_type(), "weights": natural_weights(gguf),
             "types": gguf.quantization_mix(), "exact": sorted(exact), "requantized": requantized,
-            "carried": not requantized and weights.bits is not None,
+            "all_exact": not requantized,
             "requantized_error": max(requantized.values(), default=0.0)}

@@ -116,7 +116,7 @@ def test_inspect_names_each_files_quantization(files):
         assert report["weights"] == str(files[qtype].resolve()) and report["memory"]["weights"] == weights
         found = report["gguf"]
         assert found["main_type"] == qtype and found["types"]["q_proj"] == f"{qtype} x6"
-        assert found["carried"] == (qtype == "Q4_0") and (found["requantized_error"] > 0.05) == (not exact)
+        assert found["all_exact"] == exact and (found["requantized_error"] > 0.05) == (not exact)
 
 
 def test_bad_gguf_files_fail_in_one_line(files, tmp_path):
@@ -200,3 +200,40 @@ def test_a_qwen2_gguf_keeps_its_attention_biases(tmp_path):
     reference = DecoderModel.from_checkpoint(resolve_target(None, folder).checkpoint(), "float32")
     with torch.no_grad():
         assert np.abs(logits - reference(torch.from_numpy(ids[None])).logits[0].numpy()).max() < 1e-4
+
+
+def q6_k_bytes(codes: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Rows of Q6_K blocks as ggml lays them out (ql, qh, int8 scales, float16 d per 256 weights) from 6-bit
+    codes [n, K], scales [n, K/16] and d [n, K/256]."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // 256, 2, 4, 32)  # per half of a block: four runs of 32, as dequantize_row_q6_K reads
+    ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                         (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=-1)  # [n, B, 2, 64]
+    qh = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64),
+                             sub_scales.astype(np.int8).view(np.uint8).reshape(n, -1, 16),
+                             d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)], axis=-1)
+    return blocks.astype(np.uint8).reshape(n, -1)
+
+
+def test_q6_k_blocks_are_carried_exactly():
+    """Q6_K (Q4_K_M's output layer and some v/down projections) becomes 8-bit codes in blocks of 16 with zero point
+    32: (code - 32) · scale equals the gguf package's own dequantization bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from dspark_export.gguf_target import Dequantized, _q6_k
+
+    rng = np.random.default_rng(0)
+    n, k = 6, 512
+    codes = rng.integers(0, 64, (n, k), dtype=np.uint8)
+    sub_scales = rng.integers(-128, 128, (n, k // 16))
+    d = rng.random((n, k // 256)).astype(np.float16) * 0.01
+    data = q6_k_bytes(codes, sub_scales, d)
+    values = dequantize(data, GGMLQuantizationType.Q6_K).reshape(n, k)
+    carried = _q6_k(data, n, Dequantized(data, GGMLQuantizationType.Q6_K, (n, k)))
+    assert (carried.layout.bits, carried.layout.block_size) == (8, 16)
+    rebuilt = (carried.codes.astype(np.float32) - carried.zero_points[..., None]) * carried.scales[..., None]
+    assert np.array_equal(rebuilt.reshape(n, k), values)
+    nonzero = np.repeat(sub_scales != 0, 16, axis=1)
+    assert np.array_equal(carried.codes.reshape(n, k)[nonzero], codes[nonzero])
