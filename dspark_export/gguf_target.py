@@ -58,7 +58,7 @@ PRE_TOKENIZERS = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
              r"|\s+(?!\S)|\s+",
 }
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types of special and added tokens
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # llama.cpp's token types: special, added, and padding rows ([PAD123])
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -193,8 +193,8 @@ def tokenizer_json(gguf: GGUFFile) -> str:
     tokens = list(gguf.field("tokenizer.ggml.tokens"))
     kinds = list(gguf.field("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(merge.split(" ", 1)) for merge in gguf.field("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE({token: index for index, token in enumerate(tokens)}, merges,
-                                     ignore_merges=False))
+    vocab = {token: index for index, (token, kind) in enumerate(zip(tokens, kinds)) if kind != UNUSED}
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     pattern = PRE_TOKENIZERS[pre]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pattern is None)
     tokenizer.pre_tokenizer = byte_level if pattern is None else pre_tokenizers.Sequence(

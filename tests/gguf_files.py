@@ -49,12 +49,13 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"]) | {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    names = {index: token for token, index in vocab.items()}  # rows past the tokenizer's: llama.cpp's [PAD<i>] rows
+    tokens = [names.get(index, f"[PAD{index}]") for index in range(config["vocab_size"])]
     special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_types([3 if i in special else 1 if i in names else 5 for i in range(len(tokens))])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
     writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
     writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])

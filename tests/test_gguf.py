@@ -193,6 +193,8 @@ def test_a_qwen2_gguf_keeps_its_attention_biases(tmp_path):
     train_tokenizer(["a small text for a small tokenizer"] * 4, folder, vocab_size=300)
     spec = resolve_target(None, write_gguf(folder, tmp_path / "qwen2.gguf"))
     assert spec.config == resolve_target(None, folder).config.with_dtype("float32")
+    ours, theirs = ChatTokenizer.from_dir(spec.path), ChatTokenizer.from_dir(folder)
+    assert theirs.vocab_size < 300 and ours.vocab_hash() == theirs.vocab_hash()  # the [PAD] rows are not tokens
     checkpoint = spec.checkpoint()
     assert "model.layers.0.self_attn.q_proj.bias" in checkpoint.tensors
     ids = np.arange(3, 15)
