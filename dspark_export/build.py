@@ -145,7 +145,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     drafter_config = source and source.config
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
     gamma = drafter_config.gamma if drafter_config else 0
-    size = size_engine(spec.config, cache_slots, dtype, weights, gamma, max_context, kv_memory)
+    size = size_engine(spec.config, cache_slots, dtype, weights, gamma, max_context, kv_memory, checkpoint)
     lowering = "ort" if backend == "ort" else "portable"
     attention = attention_for(spec.config, lowering)
     if show_progress:

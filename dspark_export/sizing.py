@@ -5,23 +5,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark_export.checkpoint import expected_shapes
 from dspark_export.config import DTYPE_BYTES, DecoderConfig
 from dspark_common.errors import ConfigError
-from dspark_export.graphs.weights import WeightFormat
+from dspark_export.graphs.weights import Carrier, Layout, WeightFormat
 
 DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told otherwise
 CONTEXT_STEP = 256  # a budget-sized context is rounded down to a multiple of this
 
 
-def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str) -> int:
-    """Bytes of an engine's target weights: projections (and embeddings) in the weight format, norms and biases in
+def bytes_per_weight(layout: Layout | None, dtype: str) -> float:
+    """A matrix weight's bytes: in `dtype` (float formats), else its code and its share of its block's float scale
+    (and zero point)."""
+    if layout is None:
+        return DTYPE_BYTES[dtype]
+    return layout.bits / 8 + (DTYPE_BYTES[dtype] + layout.zero_points) / layout.block_size
+
+
+def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carrier: Carrier | None = None) -> int:
+    """Bytes of an engine's target weights: projections (and embeddings) in the weight format, or in their own layout
+    where a quantized engine carries a checkpoint's quantized matrices (`carrier`: a GGUF's), norms and biases in
     `dtype`."""
     matrices, vectors = config.parameter_counts()
-    if weights.bits is None:
-        per_weight = DTYPE_BYTES[dtype]
-    else:  # codes, and one float scale per block
-        per_weight = weights.bits / 8 + DTYPE_BYTES[dtype] / weights.block_size
-    return int(matrices * per_weight) + vectors * DTYPE_BYTES[dtype]
+    layout = weights.bits and Layout(weights.bits, weights.block_size)
+    total = int(matrices * bytes_per_weight(layout, dtype)) + vectors * DTYPE_BYTES[dtype]
+    if carrier is not None and layout:
+        for name, shape in expected_shapes(config).items():
+            carried = len(shape) == 2 and carrier.carried_layout(name)
+            if carried:
+                total += int(shape[0] * shape[1] * (bytes_per_weight(carried, dtype) - bytes_per_weight(layout, dtype)))
+    return total
 
 
 @dataclass(frozen=True)
@@ -42,9 +55,10 @@ class EngineSize:
 
 
 def size_engine(config: DecoderConfig, slots: int, dtype: str, weights: WeightFormat, gamma: int = 0,
-                max_context: int | None = None, kv_memory: int | None = None) -> EngineSize:
+                max_context: int | None = None, kv_memory: int | None = None,
+                carrier: Carrier | None = None) -> EngineSize:
     """The engine's context (`max_context`, else the most the KV budget holds, at most the model's positions)
-    and its memory. The KV cache of a drafter, a few layers, is not counted."""
+    and its memory (`carrier`: see `weight_bytes`). The KV cache of a drafter, a few layers, is not counted."""
     per_row = config.kv_cache_bytes(slots, 1, dtype)
     if max_context is None:
         budget = kv_memory or DEFAULT_KV_MEMORY
@@ -58,7 +72,7 @@ def size_engine(config: DecoderConfig, slots: int, dtype: str, weights: WeightFo
     elif max_context > config.max_position_embeddings:
         raise ConfigError(f"--max-context {max_context} exceeds the model's {config.max_position_embeddings} positions")
     rows = max_context + gamma + 1
-    return EngineSize(slots, max_context, rows, weight_bytes(config, weights, dtype), per_row * rows)
+    return EngineSize(slots, max_context, rows, weight_bytes(config, weights, dtype, carrier), per_row * rows)
 
 
 def human_bytes(count: float) -> str:

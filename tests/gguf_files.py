@@ -24,8 +24,10 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{NAMES[module]}.{kind}"
 
 
-def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str | None = None) -> Path:
-    """`folder` (config.json, model.safetensors, tokenizer files) as one GGUF file of weight type `qtype`."""
+def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str | None = None,
+               embedding_type: str | None = None) -> Path:
+    """`folder` (config.json, model.safetensors, tokenizer files) as one GGUF file of weight type `qtype` (the
+    embedding in `embedding_type`, as llama-quantize keeps a tied embedding at Q8_0 or Q6_K)."""
     import gguf
     from gguf.quants import quantize
 
@@ -64,8 +66,9 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
     for name in checkpoint.tensors:
         values = checkpoint.float32(name)
-        if values.ndim == 2 and qtype != "F32":
-            kind = gguf.GGMLQuantizationType[qtype]
+        chosen = embedding_type if embedding_type and name == "model.embed_tokens.weight" else qtype
+        if values.ndim == 2 and chosen != "F32":
+            kind = gguf.GGMLQuantizationType[chosen]
             writer.add_tensor(gguf_name(name), quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), values.astype(np.float32))

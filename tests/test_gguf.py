@@ -25,6 +25,7 @@ from dspark_export.graphs.target import build_target_onnx  # noqa: E402
 from dspark_export.graphs.weights import WeightFormat  # noqa: E402
 from dspark_export.model import DecoderModel  # noqa: E402
 from dspark_export.presets import demo_dir, resolve_target  # noqa: E402
+from dspark_export.sizing import size_engine  # noqa: E402
 from dspark_runtime import Engine  # noqa: E402
 from dspark_runtime.backend import OrtBackend, OrtRunner  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
@@ -40,7 +41,8 @@ TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibon
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
-    return {qtype: write_gguf(demo_dir(), root / f"demo-{qtype}.gguf", qtype) for qtype in TYPES}
+    return {qtype: write_gguf(demo_dir(), root / f"demo-{qtype}.gguf", qtype, embedding_type="Q8_0" if qtype == "Q4_0"
+                              else None) for qtype in TYPES}  # llama-quantize's Q4_0 of a tied model: so
 
 
 def graph_logits(checkpoint, graph_file, ids: np.ndarray, weights: WeightFormat = WeightFormat()) -> np.ndarray:
@@ -98,6 +100,9 @@ def test_greedy_speculation_on_a_gguf_engine_equals_its_target(files, tmp_path, 
     folder = build_engine(spec, tmp_path / "engine", resolve_drafter("demo-dspark"), "demo-dspark", cache_slots=2,
                           max_context=256, show_progress=False, weights=WeightFormat(spec.weights))
     assert json.loads((folder / "manifest.json").read_text())["sources"]["target"]
+    size = size_engine(spec.config, 2, "float32", WeightFormat(spec.weights), max_context=256,
+                       carrier=spec.checkpoint())  # the Q8_0 embedding of the Q4_0 file counted at 8 bits
+    assert abs(size.weight_bytes - (folder / "target.onnx.data").stat().st_size) < 0.01 * size.weight_bytes
     with Engine.load(folder, OrtBackend(threads=1)) as engine:
         one_row_alike = one_row_drift(engine.core, 8) == 0.0
         for prompt in TEXTS[:2]:
