@@ -175,9 +175,14 @@ class Row:
     drafts: int  # drafts verified (decode) or -1 (prefill chunk)
 
 
-def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest) -> tuple[list[Row], TargetBatch]:
+def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest,
+            min_tokens: int = 1) -> tuple[list[Row], TargetBatch]:
     """One step's target batch: every decoding request's anchor and the `lengths[id]` drafts it verifies, then prefill
-    chunks of new requests within the token budget and the cache rows; and where each request's tokens sit."""
+    chunks of new requests within the token budget and the cache rows; and where each request's tokens sit.
+
+    A step of fewer than `min_tokens` tokens is padded with copies of its last token at the next positions (no row
+    reads them; their cache rows are written again by the next step): with 2, every step runs the batched kernels,
+    so a plain step computes exactly as a verification step does (`Engine.load(exact_greedy=True)`)."""
     ids, slots, positions, logit_index, rows = [], [], [], [], []
     budget = manifest.max_batch_tokens
     decoding = [s for s in active if s.decoding]
@@ -205,6 +210,10 @@ def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest)
         ids += chunk
         slots += [s.slot] * len(chunk)
         positions += range(s.prefilled, s.prefilled + len(chunk))
+    while ids and len(ids) < min_tokens:
+        ids.append(ids[-1])
+        slots.append(slots[-1])
+        positions.append(positions[-1] + 1)
     cache_len = np.zeros(manifest.cache_slots, dtype=np.int64)
     for s in active:
         cache_len[s.slot] = s.target_len

@@ -22,9 +22,15 @@ def shared_pool() -> bool:
 
 
 def engine_options(command):
-    """ENGINE_DIR (default: the bundled demo) and --threads, shared by every command that loads an engine."""
+    """ENGINE_DIR (default: the bundled demo), --threads and --exact-greedy, shared by every command that loads an
+    engine (--exact-greedy reaches `load_engine` through click's context)."""
     command = click.option("--threads", type=click.IntRange(min=1), default=None,
                            help="ONNX Runtime threads (default: all cores).")(command)
+    command = click.option(
+        "--exact-greedy", is_flag=True, expose_value=False,
+        callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
+        help="Every step runs at least two rows, so greedy output is the same in every mode even on a CPU whose "
+             "kernels compute a lone row otherwise (`profile` says so); plain steps cost more.")(command)
     return click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))(command)
 
 
@@ -41,7 +47,9 @@ def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engin
         from dspark_export.demo.engine import demo_engine
 
         engine_dir = demo_engine()
-    return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()), **options)
+    context = click.get_current_context(silent=True)
+    exact = bool(context and context.meta.get("exact_greedy"))
+    return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()), exact_greedy=exact, **options)
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -375,7 +383,8 @@ def profile(engine_dir, context, rounds, threads) -> None:
     if curve["one_row_drift"]:
         click.echo(f"note: on this CPU the target computes a token alone with other kernels than in a batch (logits "
                    f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "
-                   "where two tokens nearly tie. int4 targets built with --quant-block-size 16 or int8 may agree.")
+                   "where two tokens nearly tie; --exact-greedy makes every mode compute alike (a plain step then "
+                   "costs what a two-token step does).")
 
 
 @main.command()

@@ -37,8 +37,10 @@ class EngineCore:
     """Single-threaded engine state; `Engine` drives it from a background thread."""
 
     def __init__(self, manifest: Manifest, target: GraphRunner, drafter: GraphRunner | None,
-                 curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
-        self.manifest, self.target = manifest, target
+                 curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None,
+                 min_step_tokens: int = 1):
+        """`min_step_tokens` 2 pads one-token steps to two (`lay_out`): plain steps then use the batched kernels."""
+        self.manifest, self.target, self.min_step_tokens = manifest, target, min_step_tokens
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -93,7 +95,7 @@ class EngineCore:
         if not self.active:
             return
         lengths = self._timed("schedule", self.drafting.schedule, [s for s in self.active if s.decoding])
-        rows, batch = lay_out(self.active, lengths, self.manifest)
+        rows, batch = lay_out(self.active, lengths, self.manifest, self.min_step_tokens)
         outputs = self._timed("target", self.target.run, batch)
         for row in rows:
             self._isolated(row.sequence, self._advance, row, outputs)

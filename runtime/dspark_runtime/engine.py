@@ -156,12 +156,12 @@ class Engine:
         curve: SpeedCurve | None = None,
         calibration: dict[float, dict] | None = None,
         machine: dict | None = None,
+        exact_greedy: bool = False,
     ):
         self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
         self.machine = machine or {}  # what the speed curve is measured on (the backend's `machine()`)
-        self.core = EngineCore(
-            manifest, target, drafter, curve, sts_by_temperature(calibration or {}) or None
-        )
+        self.core = EngineCore(manifest, target, drafter, curve, sts_by_temperature(calibration or {}) or None,
+                               2 if exact_greedy else 1)
         self._ids = count()
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
@@ -173,13 +173,19 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def load(cls, path: str | Path, backend: Backend | None = None, profile: bool = True) -> "Engine":
+    def load(cls, path: str | Path, backend: Backend | None = None, profile: bool = True,
+             exact_greedy: bool = False) -> "Engine":
         """Load an engine directory (`dspark_export.demo_engine()` is the bundled demo's) onto `backend` (default:
         ONNX Runtime on every core, `OrtBackend`).
 
         An engine with a drafter but no hardware_curve.json, or one measured on another machine or with another
         thread count, is profiled first, announced by a line on stderr (`profile=False` skips it: then `sync`/`async`
         are unavailable without a curve, and a line warns about a curve from elsewhere).
+
+        `exact_greedy`: every step runs at least two rows, so that a plain step computes as a verification step does
+        and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
+        (`dspark-run profile` reports such a CPU; ONNX Runtime's int4 on AVX2 without VNNI): plain steps then cost
+        what two-token steps cost (1.37x a one-token step at Qwen3-1.7B's shape on such a CPU).
         """
         folder = Path(path)
         manifest = read_manifest(folder)
@@ -193,7 +199,7 @@ class Engine:
         target, drafter = backend.open(folder, manifest)
         here = backend.machine()
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
-                     here)
+                     here, exact_greedy)
         elsewhere = curve is not None and curve.get("machine") != here
         if drafter is not None and (curve is None or elsewhere):
             where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve, here)}"
