@@ -147,10 +147,10 @@ def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_leve
 
     spec = resolve_target(target, target_path)
     fmt = weight_format(dtype, weights or spec.weights, quant_block_size)
+    checkpoint = spec.checkpoint() if spec.path is not None else None
     size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context,
-                       kv_memory=parse_size(kv_memory, "--kv-memory"),
-                       carrier=spec.checkpoint() if spec.path is not None else None)
-    report = describe_target(spec, size, dtype, fmt)
+                       kv_memory=parse_size(kv_memory, "--kv-memory"), carrier=checkpoint)
+    report = describe_target(spec, checkpoint, size, dtype, fmt)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 

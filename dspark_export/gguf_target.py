@@ -3,10 +3,11 @@
 `prepare(file)` turns a `.gguf` into what the rest of the exporter reads from a Hugging Face folder: a small
 side folder with `config.json`, `tokenizer.json` and `tokenizer_config.json` made from the file's metadata, and
 the file itself linked in as `model.gguf`. `GGUFCheckpoint` hands out its tensors by their Hugging Face names:
-F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0 and Q8_0 also as
-`MatMulNBits` codes and scales (`carried`), so that an int4 (int8) engine in blocks of 32 computes with the
-file's own numbers: Q4_0 is (q - 8)·d with q a nibble, Q8_0 q·d with q a signed byte, both in blocks of 32 with
-one float16 scale, which is `MatMulNBits`'s layout once the nibbles are re-paired and the bytes offset by 128.
+F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0, Q8_0 and Q6_K also as
+`MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the file's
+own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a signed byte, in blocks of 32 with one float16
+scale (MatMulNBits' layout once the nibbles are re-paired and the bytes offset by 128); Q6_K is d·s·(q - 32) per
+16 weights (8-bit codes in blocks of 16 with zero point 32).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_export.config import DecoderConfig
-from dspark_export.graphs.weights import Carried, Layout
+from dspark_export.graphs.weights import Carried, Layout, WeightFormat
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
@@ -137,9 +138,6 @@ class GGUFFile:
             "torch_dtype": "float32",
         }
 
-    def type_of(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
-
     def quantization_mix(self) -> dict[str, str]:
         """Each kind of matrix (q_proj, down_proj, embed_tokens, ...) and the GGUF types it is stored in."""
         kinds: dict[str, Counter] = {}
@@ -218,9 +216,9 @@ def tokenizer_config(gguf: GGUFFile) -> dict:
 
 
 # ---- the side folder -------------------------------------------------------------------------------------------
-def prepare(file: str | Path) -> Path:
+def prepare(file: str | Path) -> tuple[Path, GGUFFile]:
     """A side folder (removed at exit) that reads as a Hugging Face model folder: config and tokenizer from the
-    file's metadata, the file linked in as `model.gguf`."""
+    file's metadata, the file linked in as `model.gguf`; and the opened file."""
     file = Path(file).expanduser().resolve()
     gguf = GGUFFile(file)
     folder = Path(tempfile.mkdtemp(prefix=f"dspark-{file.stem}-"))
@@ -229,7 +227,7 @@ def prepare(file: str | Path) -> Path:
     (folder / "tokenizer.json").write_text(tokenizer_json(gguf), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf), indent=1), encoding="utf-8")
     (folder / GGUF_FILE).symlink_to(file)
-    return folder
+    return folder, gguf
 
 
 # ---- the weights -----------------------------------------------------------------------------------------------
@@ -335,8 +333,8 @@ class GGUFCheckpoint:
         return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
 
 
-def quantization_report(checkpoint: GGUFCheckpoint, weights) -> dict:
-    """What `inspect` says of a GGUF target built in `weights` (a WeightFormat): its types per kind of matrix, which
+def quantization_report(checkpoint: GGUFCheckpoint, weights: WeightFormat) -> dict:
+    """What `inspect` says of a GGUF target built in `weights`: its types per kind of matrix, which
     kinds the engine holds exactly (carried blocks, or float weights), and for the others the relative RMS error of
     re-quantizing them (measured on the first tensor of each kind)."""
     from dspark_export.graphs.weights import quantized_values

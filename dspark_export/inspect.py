@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from dspark_export.checkpoint import Checkpoint
 from dspark_export.gguf_target import GGUFCheckpoint, quantization_report
 from dspark_export.graphs.weights import WeightFormat
 from dspark_export.presets import PRESETS, TargetSpec
 from dspark_export.sizing import EngineSize
 
 
-def describe_target(spec: TargetSpec, size: EngineSize, dtype: str, weights: WeightFormat) -> dict[str, Any]:
-    """Facts about a target and the memory of an engine built from it (`size`, as `dspark-export build` sizes it).
-
-    The checkpoint, when found, is opened (headers only) so that a broken one is reported here too.
-    """
+def describe_target(spec: TargetSpec, checkpoint: Checkpoint | GGUFCheckpoint | None, size: EngineSize, dtype: str,
+                    weights: WeightFormat) -> dict[str, Any]:
+    """Facts about a target, its `checkpoint` when found (opened, headers only, so that a broken one is reported here
+    too) and the memory of an engine built from it (`size`, as `dspark-export build` sizes it)."""
     config = spec.config
-    checkpoint = spec.checkpoint() if spec.path is not None else None
     gguf = quantization_report(checkpoint, weights) if isinstance(checkpoint, GGUFCheckpoint) else None
     return {
         "target": spec.name,

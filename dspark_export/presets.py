@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dspark_export.config import DecoderConfig
 from dspark_export.checkpoint import Checkpoint
-from dspark_export.gguf_target import GGUF_FILE, GGUFCheckpoint, GGUFFile, is_gguf, natural_weights, prepare
+from dspark_export.gguf_target import GGUF_FILE, GGUFCheckpoint, is_gguf, natural_weights, prepare
 from dspark_export.model_stores import cached_snapshots, find_gguf, hf_cache_roots, is_store_reference, store_label
 from dspark_common.errors import CheckpointError, ConfigError
 
@@ -113,11 +113,12 @@ def resolve_target(name: str | None = None, path: str | Path | None = None) -> T
         reference = str(path)
         path = find_gguf(reference) if is_store_reference(reference) else Path(path).expanduser()
         if is_gguf(path):  # a GGUF file reads as a model folder made from its metadata
-            config = DecoderConfig.from_dir(folder := prepare(path))
+            folder, gguf = prepare(path)
+            config = DecoderConfig.from_dir(folder)
             if name is not None:
                 _check_against_preset(name, config)
             label = store_label(reference) if is_store_reference(reference) else path.stem
-            return TargetSpec(name or label, config, folder, (path,), natural_weights(GGUFFile(path)))
+            return TargetSpec(name or label, config, folder, (path,), natural_weights(gguf))
         if not path.is_dir():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
         config = DecoderConfig.from_dir(path)

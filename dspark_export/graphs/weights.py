@@ -311,33 +311,29 @@ class Weights:
             zero = zero_name in self.initializers
             layout = Layout(blob * 8 // (k // blocks), k // blocks, zero)
             return codes_name, scales_name, zero_name if zero else None, layout, n, k
-        layouts = {self._layout_of(name) for name in names}
-        carried = [self.carrier.carried(name) for name in names] if self.carrier and \
-            all(self.carrier.carried_layout(name) for name in names) and len(layouts) == 1 else None
-        if carried:
-            layout = carried[0].layout
-            self.initializers[codes_name] = self.store.add_chunks(
-                codes_name, (n, k // layout.block_size, layout.block_size * layout.bits // 8), "uint8",
-                [c.codes for c in carried])
-            self._add(scales_name, np.concatenate([c.scales for c in carried]).astype(self.dtype), self.dtype)
-            if layout.zero_points:
-                self._add(zero_name, np.concatenate([c.zero_points for c in carried]), "uint8")
-            self._done(len(names))
-            return codes_name, scales_name, zero_name if layout.zero_points else None, layout, n, k
-        layout, block = Layout(self.format.bits, self.format.block_size), self.format.block_size
+        layout = self._layout_of(names[0])  # one layout per stack: `linear` splits stacks of mixed layouts
         step = max(1, CHUNK_ELEMENTS // k)
-        scales = []
+        scales, zero_points = [], []
 
         def chunks() -> Iterator[np.ndarray]:
-            for array, stored in arrays:
+            for name, (array, stored) in zip(names, arrays):
+                carried = self.carrier and self.carrier.carried_layout(name) == layout and self.carrier.carried(name)
+                if carried:  # the checkpoint's own codes, as they are
+                    scales.append(carried.scales)
+                    zero_points.append(carried.zero_points)
+                    yield carried.codes
+                    continue
                 for start in range(0, array.shape[0], step):
                     codes, chunk_scales = quantize_rows(as_float32(array[start : start + step], stored), layout.bits,
-                                                        block)
+                                                        layout.block_size)
                     scales.append(chunk_scales)
                     yield codes
 
-        blob = block * layout.bits // 8
-        self.initializers[codes_name] = self.store.add_chunks(codes_name, (n, k // block, blob), "uint8", chunks())
+        blob = layout.block_size * layout.bits // 8
+        self.initializers[codes_name] = self.store.add_chunks(codes_name, (n, k // layout.block_size, blob), "uint8",
+                                                              chunks())
         self._add(scales_name, np.concatenate(scales).astype(self.dtype), self.dtype)
+        if layout.zero_points:  # only carried layouts have them, so every part was carried
+            self._add(zero_name, np.concatenate(zero_points), "uint8")
         self._done(len(names))
-        return codes_name, scales_name, None, layout, n, k
+        return codes_name, scales_name, zero_name if layout.zero_points else None, layout, n, k
