@@ -163,7 +163,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         total = len(expected_shapes(spec.config))
         with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, weights, lowering,
-                              size.cache_rows, progress=bar.update)
+                              size.cache_rows, cache_slots == 1, progress=bar.update)
         if source is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions
             target_graph = Weights.lend_from(staging / TARGET_GRAPH, checkpoint.raw, dtype, weights)
             build_drafter_onnx(

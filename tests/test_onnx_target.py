@@ -24,12 +24,12 @@ from tests.conftest import write_hf_checkpoint  # noqa: E402
 SLOTS, ROWS = 3, 32
 
 
-def run_step(graph: OrtRunner, requests):
+def run_step(graph: OrtRunner, requests, slots: int = SLOTS):
     """requests: [(slot, token ids, first position)] -> logits of every token, features; commits K/V."""
     ids = np.concatenate([np.asarray(tokens) for _, tokens, _ in requests])
     slot = np.concatenate([[s] * len(tokens) for s, tokens, _ in requests])
     pos = np.concatenate([np.arange(start, start + len(tokens)) for _, tokens, start in requests])
-    cache_len = np.zeros(SLOTS, dtype=np.int64)
+    cache_len = np.zeros(slots, dtype=np.int64)
     for s, _, start in requests:
         cache_len[s] = start
     batch = TargetBatch(ids, pos, slot, cache_len, np.arange(len(ids)))
@@ -76,6 +76,27 @@ def test_target_graph_matches_torch(tmp_path, case, lowering):
     assert np.abs(logits_b - ref_b.logits[0].numpy()).max() <= 1e-4
     expected = torch.cat([ref_a.features[0], ref_a.features[1]], -1)[0].numpy()
     assert np.abs(features_a - expected).max() <= 1e-4
+
+
+def test_one_slot_graph_skips_the_slot_layout(tmp_path):
+    """An engine of one cache slot needs no slot layout (its rows are the slot's): its graph reads neither
+    `slot_rows` nor `token_rows` and computes what the slot-laid-out graph computes, over chunked steps."""
+    folder = write_hf_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True)
+    config = DecoderConfig.from_dir(folder)
+    io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size, 0,
+                   "float32", True, 1, ROWS)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 9)
+    logits = []
+    for one_slot in (False, True):
+        graph_file = build_target_onnx(Checkpoint(folder, config), tmp_path / f"{one_slot}.onnx", lowering="ort",
+                                       cache_rows=ROWS, one_slot=one_slot)
+        read = {name for node in onnx.load(str(graph_file)).graph.node for name in node.input}
+        assert ("slot_rows" in read, "token_rows" in read) == (not one_slot, not one_slot)
+        graph = OrtRunner(graph_file, io, threads=1)
+        steps = [run_step(graph, [(0, tokens[:5], 0)], 1), run_step(graph, [(0, tokens[5:8], 5)], 1),
+                 run_step(graph, [(0, tokens[8:], 8)], 1)]
+        logits.append(np.concatenate([step["logits"] for step in steps]))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
 
 
 def dequantized(weight: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ inputs and outputs are the contract's (`dspark_common.graph_io`). Two lowerings 
   the requests padded per cache slot (right-padded chunks, `query_seqlens`; the runtime lays the step out),
   with the rotary embedding in the kernel and the KV cache as a past/present buffer the kernel appends to in
   place; every norm after the first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k
-  and v are one projection, and so are the MLP's gate and up. Where `GroupQueryAttention` cannot serve a shape,
+  and v are one projection (the MLP's gate and up are two: see `DecoderOps.swiglu`). Where `GroupQueryAttention` cannot serve a shape,
   the attention falls back to the portable op (`attention_for`) with the rest unchanged.
 
 Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
@@ -44,10 +44,12 @@ def attention_for(config: DecoderConfig, lowering: str) -> str:
 
 def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str = "float32",
                       feature_layers: Sequence[int] = (), weights: WeightFormat = WeightFormat(),
-                      lowering: str = "portable", cache_rows: int | None = None,
+                      lowering: str = "portable", cache_rows: int | None = None, one_slot: bool = False,
                       progress: Callable[[int], None] | None = None) -> Path:
     """Write `graph_file` and its `.data` beside it; returns the graph path. `cache_rows` (positions per cache
-    slot, `ort` lowering) sizes the rotary tables; `progress(n)` counts tensors."""
+    slot, `ort` lowering) sizes the rotary tables; `one_slot`: the engine has one cache slot, so every step's rows
+    are that slot's and need no slot layout (`slot_rows` and `token_rows` go unread; 3% of a one-token step at
+    Qwen3-1.7B's shape); `progress(n)` counts tensors."""
     config = checkpoint.config
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     stream = Weights(checkpoint.raw, store, dtype, weights, progress, carrier=checkpoint)
     b = GraphBuilder()
     ops = DecoderOps(b, stream, config.rms_norm_eps, ONNX_DTYPES[dtype], config.head_dim, lowering == "ort")
-    layers = TargetLayers(b, ops, config, io, attention, cache_rows or config.max_position_embeddings)
+    layers = TargetLayers(b, ops, config, io, attention, cache_rows or config.max_position_embeddings, one_slot)
     x = stream.embedding(b, "input_ids", "model.embed_tokens.weight")
     h = ops.rms_norm(x, "model.layers.0.input_layernorm.weight")
     taps = [x] if -1 in feature_layers else []
@@ -82,8 +84,9 @@ class TargetLayers:
     """The decoder layers in one lowering; `layer(i, h, x)` takes the layer's normed input and the residual
     stream and returns the next layer's normed input (model.norm's after the last) and the new residual."""
 
-    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: DecoderConfig, io, attention: str, cache_rows: int):
-        self.b, self.ops, self.config, self.attention = b, ops, config, attention
+    def __init__(self, b: GraphBuilder, ops: DecoderOps, config: DecoderConfig, io, attention: str, cache_rows: int,
+                 one_slot: bool = False):
+        self.b, self.ops, self.config, self.attention, self.one_slot = b, ops, config, attention, one_slot
         self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
         self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention == "gqa" else \
             (io.cache_names("new_key"), io.cache_names("new_value"))
@@ -97,6 +100,18 @@ class TargetLayers:
             self.cos, self.sin = rope_tables(b, "pos", inv_freq, ops.dtype)
             self.flat_shape = b.const([-1, config.num_attention_heads * d])
 
+    def _to_slots(self, rows: str) -> str:
+        """[T, N] -> [S, M, N], the slot-padded layout (with one slot, every row is its: the rows themselves)."""
+        if self.one_slot:
+            return self.b.op("Unsqueeze", rows, self.b.const([0]))
+        return self.b.op("Gather", rows, "slot_rows")
+
+    def _from_slots(self, padded: str) -> str:
+        """[S, M, N] -> the batch's [T, N] rows."""
+        if self.one_slot:
+            return self.b.op("Squeeze", padded, self.b.const([0]))
+        return self.b.op("GatherND", padded, "token_rows")
+
     def layer(self, layer: int, h: str, x: str) -> tuple[str, str]:
         p = f"model.layers.{layer}."
         last = layer == self.config.num_hidden_layers - 1
@@ -107,18 +122,15 @@ class TargetLayers:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
         b, ops, c = self.b, self.ops, self.config
         keys, values = self.out[0][layer], self.out[1][layer]
-        heads = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias,
-                                     "slot_rows" if self.attention == "gqa" else None)
         if self.attention == "gqa":  # in the slot-padded layout [S, M, ...]: the runtime's slot_rows, token_rows
-            flat = b.const([0, 0, -1])
-            q, k, v = (b.op("Reshape", x, flat) for x in heads)
+            q, k, v = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias, self._to_slots)
             out = b.op("GroupQueryAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k",
                        "total_length", self.cos, self.sin, *[""] * 7, "query_seqlens",
                        names=[b.name("attention"), keys, values], domain="com.microsoft",
                        num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, do_rotary=1,
                        scale=float(c.head_dim**-0.5))[0]
-            return b.op("GatherND", out, "token_rows")  # the T real rows
-        q, k, v = heads
+            return self._from_slots(out)  # the T real rows
+        q, k, v = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias)
         q, k = ops.rope(q, self.cos, self.sin), ops.rope(k, self.cos, self.sin)
         new_k, new_v = b.op("Identity", k, name=keys), b.op("Identity", v, name=values)
         attended = b.name("attention")
