@@ -45,6 +45,14 @@ def architecture_of(model_type: str | None) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
+def llama3_scaled(inv_freq: np.ndarray, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """Llama 3's rotary scaling, as Meta's reference: long wavelengths divided by `factor`, short ones kept, a blend
+    between the bands original/low and original/high."""
+    wavelength = 2 * math.pi / inv_freq
+    blend = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """The numbers that define a decoder (names as in Hugging Face's configs)."""
@@ -102,12 +110,9 @@ class DecoderConfig:
         inv_freq = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         if self.rope_type == "linear":
             inv_freq = inv_freq / self.rope_factor
-        elif self.rope_type == "llama3":  # as Meta's reference: long wavelengths scaled, short kept, a blend between
-            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-            original = self.rope_original_max_position
-            wavelength = 2 * math.pi / inv_freq
-            blend = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
-            inv_freq = (1 - blend) * inv_freq / self.rope_factor + blend * inv_freq
+        elif self.rope_type == "llama3":
+            inv_freq = llama3_scaled(inv_freq, self.rope_factor, self.rope_low_freq_factor,
+                                     self.rope_high_freq_factor, self.rope_original_max_position)
         return inv_freq.astype(np.float32)
 
     def parameter_counts(self) -> tuple[int, int]:

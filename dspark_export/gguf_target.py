@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_export.config import DecoderConfig
+from dspark_export.config import ARCHITECTURES, DecoderConfig, llama3_scaled
 from dspark_export.graphs.weights import Carried, Layout, WeightFormat
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
-ARCHITECTURES = ("qwen3", "qwen2")  # llama.cpp's names of the decoder families read here (as model_type)
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rotary scaling, stored as a divisor per frequency
+LLAMA3_BANDS = (1.0, 4.0, 8192)  # Meta's llama3 low_freq_factor, high_freq_factor, original context, every Llama 3.x
 LAYER_NAMES = {  # llama.cpp's per-layer tensor names -> Hugging Face's
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -58,6 +59,8 @@ PRE_TOKENIZERS = {
     "gpt-2": None,
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
              r"|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # llama.cpp's token types: special, added, and padding rows ([PAD123])
 
@@ -96,11 +99,14 @@ class GGUFFile:
         self.file = Path(file)
         self.reader = _open(self.file)
         self.architecture = self.field("general.architecture")
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES:  # llama.cpp names these families as Hugging Face's model_type
             raise CheckpointError(f"{self.file.name}: GGUF architecture {self.architecture!r} is not one DSpark builds "
                                   f"(it reads {', '.join(ARCHITECTURES)})")
-        self.tensors = {}
+        self.tensors, self.rope_freqs = {}, None
         for tensor in self.reader.tensors:
+            if tensor.name == ROPE_FREQS:
+                self.rope_freqs = np.asarray(tensor.data, np.float64)
+                continue
             name = _hf_name(tensor.name)
             if name is None:
                 raise CheckpointError(f"{self.file.name}: tensor {tensor.name} has no place in a "
@@ -120,8 +126,10 @@ class GGUFFile:
         arch = self.architecture
         heads = int(self.field(f"{arch}.attention.head_count"))
         hidden = int(self.field(f"{arch}.embedding_length"))
+        head_dim = int(self.field(f"{arch}.attention.key_length", hidden // heads))
+        theta = _decimal(self.field(f"{arch}.rope.freq_base", 10000.0))
         return {
-            "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+            "architectures": [ARCHITECTURES[arch].hf_class],
             "model_type": arch,
             "vocab_size": int(self.tensors["model.embed_tokens.weight"].shape[1]),
             "hidden_size": hidden,
@@ -129,14 +137,34 @@ class GGUFFile:
             "num_hidden_layers": int(self.field(f"{arch}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.field(f"{arch}.attention.head_count_kv", heads)),
-            "head_dim": int(self.field(f"{arch}.attention.key_length", hidden // heads)),
+            "head_dim": head_dim,
             "rms_norm_eps": _decimal(self.field(f"{arch}.attention.layer_norm_rms_epsilon")),
-            "rope_theta": _decimal(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            "rope_theta": theta,
+            "rope_scaling": None if self.rope_freqs is None else self._llama3_scaling(theta, head_dim),
             "max_position_embeddings": int(self.field(f"{arch}.context_length")),
             "tie_word_embeddings": "lm_head.weight" not in self.tensors,
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
+
+    def _llama3_scaling(self, theta: float, head_dim: int) -> dict:
+        """config.json's llama3 `rope_scaling` that gives the file's `rope_freqs` (llama.cpp divides each rotary
+        frequency by its entry): the factor is the largest divisor, the bands Meta's, the original context read
+        off a divisor between 1 and the factor (8192 when none is); refused when they do not reproduce the file's."""
+        freqs, (low, high, original) = self.rope_freqs, LLAMA3_BANDS
+        factor = float(np.float32(freqs.max()))
+        base = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+        wavelength = 2 * np.pi / base
+        between = (freqs > 1 + 1e-6) & (freqs < factor * (1 - 1e-6))
+        if between.any() and factor > 1:  # 1/divisor = (1 - s)/factor + s, s = (original/wavelength - low)/(high - low)
+            blend = (1 / freqs[between] - 1 / factor) / (1 - 1 / factor)
+            original = int(round(float(np.median((blend * (high - low) + low) * wavelength[between]))))
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                   "original_max_position_embeddings": original}
+        if len(freqs) != head_dim // 2 or not np.allclose(llama3_scaled(base, factor, low, high, original),
+                                                           base / freqs, rtol=1e-5, atol=0):
+            raise CheckpointError(f"{self.file.name}: its {ROPE_FREQS} are no llama3 rotary scaling DSpark knows")
+        return scaling
 
     def quantization_mix(self) -> dict[str, str]:
         """Each kind of matrix (q_proj, down_proj, embed_tokens, ...) and the GGUF types it is stored in."""
@@ -290,13 +318,25 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.gguf.file.name} has no tensor for {name}")
         kind = tensor.tensor_type.name
         shape = tuple(int(n) for n in reversed(tensor.shape))
+        data = self._rows(name)
         if kind == "F32":
-            return np.asarray(tensor.data).reshape(shape), "float32"
+            return data.reshape(shape), "float32"
         if kind == "F16":
-            return np.asarray(tensor.data).reshape(shape), "float16"
+            return data.reshape(shape), "float16"
         if kind == "BF16":
-            return np.asarray(tensor.data).view(np.uint16).reshape(shape), "bfloat16"
-        return Dequantized(tensor.data.reshape(shape[0], -1), tensor.tensor_type, shape), "float32"
+            return data.view(np.uint16).reshape(shape), "bfloat16"
+        return Dequantized(data, tensor.tensor_type, shape), "float32"
+
+    def _rows(self, name: str) -> np.ndarray:
+        """The tensor as stored, [rows, values or bytes per row], its rows in Hugging Face's order: llama.cpp stores
+        a Llama's q and k rows permuted per head (the rotary pairs interleaved, not in halves)."""
+        tensor = self.tensors[name]
+        data = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1)
+        heads = {"self_attn.q_proj.weight": self.config.num_attention_heads,
+                 "self_attn.k_proj.weight": self.config.num_key_value_heads}.get(name.split(".", 3)[-1])
+        if self.gguf.architecture == "llama" and heads:
+            data = data[np.arange(len(data)).reshape(heads, -1, 2).transpose(0, 2, 1).reshape(-1)]
+        return data
 
     def float32(self, name: str) -> np.ndarray:
         from dspark_export.checkpoint import as_float32
@@ -318,7 +358,7 @@ class GGUFCheckpoint:
             return None
         tensor = self.tensors[name]
         rows, kind = int(tensor.shape[1]), tensor.tensor_type.name
-        data = np.asarray(tensor.data).reshape(rows, -1)
+        data = self._rows(name)
         if kind == "Q6_K":
             return _q6_k(data, rows, self.raw(name)[0])
         blocks = data.reshape(rows, -1, 2 + CARRIED_BLOCK * layout.bits // 8)

@@ -1,5 +1,6 @@
-"""GGUF files of a Hugging Face Qwen3/Qwen2 folder, written with the `gguf` package under llama.cpp's names and
-metadata keys (as its `convert_hf_to_gguf.py` writes them), every 2-D weight in one GGUF type."""
+"""GGUF files of a Hugging Face Qwen3/Qwen2/Llama folder, written with the `gguf` package under llama.cpp's names and
+metadata keys (as its `convert_hf_to_gguf.py` writes them: a Llama's q and k rows permuted per head, its llama3
+rotary scaling as a `rope_freqs` tensor), every 2-D weight in one GGUF type."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def gguf_name(name: str) -> str:
 
 
 def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str | None = None,
-               embedding_type: str | None = None) -> Path:
+               embedding_type: str | None = None, pre_tokenizer: str = "gpt-2") -> Path:
     """`folder` (config.json, model.safetensors, tokenizer files) as one GGUF file of weight type `qtype` (the
     embedding in `embedding_type`, as llama-quantize keeps a tied embedding at Q8_0 or Q6_K)."""
     import gguf
@@ -47,7 +48,8 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_value_length(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    decoder = DecoderConfig.from_dir(folder)
+    writer.add_rope_freq_base(decoder.rope_theta)
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"]) | {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
@@ -55,7 +57,7 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     tokens = [names.get(index, f"[PAD{index}]") for index in range(config["vocab_size"])]
     special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if i in special else 1 if i in names else 5 for i in range(len(tokens))])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
@@ -63,9 +65,15 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer_config["chat_template"])
-    checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
+    checkpoint = Checkpoint(folder, decoder)
+    if decoder.rope_type == "llama3":
+        base = 1.0 / decoder.rope_theta ** (np.arange(0, decoder.head_dim, 2) / decoder.head_dim)
+        writer.add_tensor("rope_freqs.weight", (base / decoder.inverse_frequencies()).astype(np.float32))
     for name in checkpoint.tensors:
         values = checkpoint.float32(name)
+        heads = {"q_proj": decoder.num_attention_heads, "k_proj": decoder.num_key_value_heads}.get(name.split(".")[-2])
+        if arch == "llama" and heads:  # convert_hf_to_gguf's LlamaModel.permute
+            values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
         chosen = embedding_type if embedding_type and name == "model.embed_tokens.weight" else qtype
         if values.ndim == 2 and chosen != "F32":
             kind = gguf.GGMLQuantizationType[chosen]

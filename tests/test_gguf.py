@@ -209,6 +209,42 @@ def test_a_qwen2_gguf_keeps_its_attention_biases(tmp_path):
         assert np.abs(logits - reference(torch.from_numpy(ids[None])).logits[0].numpy()).max() < 1e-4
 
 
+def test_a_llama_gguf_is_read_back_to_its_hugging_face_model(tmp_path):
+    """A Llama 3 as llama.cpp converts it (q and k rows permuted per head, llama3 rotary scaling as `rope_freqs`,
+    pre-tokenizer llama-bpe): the config's rotary scaling is recovered, digits are split by threes, and the engine's logits equal the safetensors checkpoint's torch model
+    (float weights) and the torch model on the file's dequantized weights (Q8_0, carried)."""
+    from tokenizers import Tokenizer
+
+    from dspark_export.demo.tokenizer import train_tokenizer
+    from tests.conftest import write_hf_checkpoint
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 5e5}
+    folder = write_hf_checkpoint(tmp_path / "llama", architecture="llama", vocab_size=300, max_position_embeddings=64,
+                                 tie_word_embeddings=False, rope_parameters=rope)
+    train_tokenizer(["a small text for a small tokenizer"] * 4, folder, vocab_size=300)
+    hf = resolve_target(None, folder)
+    assert hf.config.rope_type == "llama3"
+    ids = np.arange(3, 15)
+    with torch.no_grad():
+        reference = DecoderModel.from_checkpoint(hf.checkpoint(), "float32")(torch.from_numpy(ids[None])).logits[0]
+    for qtype in ("F32", "Q8_0"):
+        spec = resolve_target(None, write_gguf(folder, tmp_path / f"llama-{qtype}.gguf", qtype,
+                                               pre_tokenizer="llama-bpe"))
+        assert spec.config == hf.config.with_dtype("float32")
+        pieces = Tokenizer.from_file(str(spec.path / "tokenizer.json")).pre_tokenizer.pre_tokenize_str("x 12345")
+        assert [piece for piece, _ in pieces] == ["x", "Ġ", "123", "45"]  # Llama 3 splits digits by threes
+        checkpoint = spec.checkpoint()
+        logits = graph_logits(checkpoint, tmp_path / f"{qtype}.onnx", ids,
+                              WeightFormat(spec.weights, accuracy_level=0))
+        if qtype == "F32":
+            assert np.abs(logits - reference.numpy()).max() < 1e-4
+        else:
+            with torch.no_grad():
+                dequantized = DecoderModel.from_checkpoint(checkpoint, "float32")(torch.from_numpy(ids[None]))
+            assert np.abs(logits - dequantized.logits[0].numpy()).max() < 1e-3
+
+
 def q6_k_bytes(codes: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Rows of Q6_K blocks as ggml lays them out (ql, qh, int8 scales, float16 d per 256 weights) from 6-bit
     codes [n, K], scales [n, K/16] and d [n, K/256]."""
