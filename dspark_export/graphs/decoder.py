@@ -60,10 +60,10 @@ class DecoderOps:
 
     def attention_inputs(self, x: str, prefix: str, heads: tuple[int, int], qk_norm: bool, bias: bool = False,
                          batched: Callable[[str], str] | None = None) -> list[str]:
-        """q [.., Hq, D], k and v [.., Hkv, D] of an attention layer (`{prefix}q_proj.weight` etc.) from one
-        projection of x's rows (with the q/k/v biases when `bias`), q and k RMS-normed per head when `qk_norm`.
-        `batched` re-lays the projection [T, N] out as [S, M, N] (after the projection, so padding costs no matmul
-        rows); then q, k and v come back as [S, M, H·D], GroupQueryAttention's layout."""
+        """q, k and v of an attention layer (`{prefix}q_proj.weight` etc.) from one projection of x's rows (with the
+        q/k/v biases when `bias`), q and k RMS-normed per head when `qk_norm`: per head, [T, H, D]; or, with
+        `batched` re-laying the projection [T, N] out as [S, M, N] (after the projection, so padding costs no matmul
+        rows), GroupQueryAttention's [S, M, H·D]."""
         b, d = self.b, self.head_dim
         projections = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
         projected = self.weights.linear(b, x, [name + ".weight" for name in projections],
@@ -72,19 +72,20 @@ class DecoderOps:
             projected = batched(projected)
         widths = [heads[0] * d, heads[1] * d, heads[1] * d]
         q, k, v = b.op("Split", projected, b.const(widths), axis=-1, outputs=3)
-        lead = [0] * (2 if batched else 1)
         if batched is None:
-            per_head = b.const(lead + [-1, d])
+            per_head = b.const([0, -1, d])
             q, k, v = (b.op("Reshape", part, per_head) for part in (q, k, v))
-        elif qk_norm:
-            per_head = b.const(lead + [-1, d])
-            q, k = (b.op("Reshape", part, per_head) for part in (q, k))
-        if qk_norm:
-            q, k = self.rms_norm(q, prefix + "q_norm.weight"), self.rms_norm(k, prefix + "k_norm.weight")
-            if batched is not None:
-                flat = b.const(lead + [-1])
-                q, k = (b.op("Reshape", part, flat) for part in (q, k))
-        return [q, k, v]
+            return [*self._qk_norm(q, k, prefix, qk_norm), v]
+        if not qk_norm:
+            return [q, k, v]
+        per_head, flat = b.const([0, 0, -1, d]), b.const([0, 0, -1])
+        q, k = self._qk_norm(*(b.op("Reshape", part, per_head) for part in (q, k)), prefix, qk_norm)
+        return [b.op("Reshape", q, flat), b.op("Reshape", k, flat), v]
+
+    def _qk_norm(self, q: str, k: str, prefix: str, qk_norm: bool) -> tuple[str, str]:
+        if not qk_norm:
+            return q, k
+        return self.rms_norm(q, prefix + "q_norm.weight"), self.rms_norm(k, prefix + "k_norm.weight")
 
     def rope(self, x: str, cos: str, sin: str) -> str:
         """x·cos + rotate_half(x)·sin, with `sin` from `rope_tables` (sign folded in): rotate_half is one Gather."""

@@ -9,8 +9,8 @@ inputs and outputs are the contract's (`dspark_common.graph_io`). Two lowerings 
   the requests padded per cache slot (right-padded chunks, `query_seqlens`; the runtime lays the step out),
   with the rotary embedding in the kernel and the KV cache as a past/present buffer the kernel appends to in
   place; every norm after the first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k
-  and v are one projection (the MLP's gate and up are two: see `DecoderOps.swiglu`). Where `GroupQueryAttention` cannot serve a shape,
-  the attention falls back to the portable op (`attention_for`) with the rest unchanged.
+  and v are one projection (the MLP's gate and up are two: see `DecoderOps.swiglu`). Where `GroupQueryAttention`
+  cannot serve a shape, the attention falls back to the portable op (`attention_for`) with the rest unchanged.
 
 Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
 `Weights.embedding`; a tied LM head shares the embedding's tensor (and its codes when quantized).
