@@ -73,18 +73,27 @@ def draft_batch(core: EngineCore, requests: int, context: int, new_context: int 
 
 
 DRIFT_TOKENS = 64  # the likeliest tokens whose logits `one_row_drift` compares
+DRIFT_CONTEXT = 16  # the positions `profile` prefills before comparing
 
 
 def one_row_drift(core: EngineCore, context: int) -> float:
     """How far the target's logits for a token computed alone differ from the same token's computed as the first
     row of a two-token step (largest absolute difference among the likeliest tokens; 0.0 where this CPU's kernels
-    agree bit for bit). A plain decoding step runs one row and a verification step several: where they differ,
-    greedy speculation can pick another token than `off` where two tokens nearly tie (ONNX Runtime's int4 kernels
-    on AVX2 without VNNI)."""
-    alone = core.target.run(target_batch(core, 1, context))["logits"][0].astype(np.float64)
-    paired = core.target.run(target_batch(core, 2, context))["logits"][0]
+    agree bit for bit), after `context` real positions prefilled in slot 0: caches holding no request's K/V make
+    logits in the tens of thousands, where any difference is amplified. A plain decoding step runs one row and a
+    verification step several: where they differ, greedy speculation can pick another token than `off` where two
+    tokens nearly tie (ONNX Runtime's int4 kernels on AVX2 without VNNI)."""
+    cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
+    prompt = np.arange(context) % (core.manifest.vocab_size - 5) + 5
+    core.target.run(TargetBatch(prompt, np.arange(context), np.zeros(context, np.int64), cache_len,
+                                np.array([context - 1])))
+    cache_len[0] = context
+    one = np.zeros(1, np.int64)
+    alone = core.target.run(TargetBatch(np.full(1, 5), np.full(1, context), one, cache_len, one))["logits"][0]
+    paired = core.target.run(TargetBatch(np.full(2, 5), context + np.arange(2), np.zeros(2, np.int64), cache_len,
+                                         np.arange(2)))["logits"][0]
     likeliest = np.argsort(alone)[-DRIFT_TOKENS:]
-    return float(np.abs(alone[likeliest] - paired[likeliest]).max())
+    return float(np.abs(alone[likeliest].astype(np.float64) - paired[likeliest]).max())
 
 
 def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,
@@ -115,7 +124,7 @@ def profile(core: EngineCore, folder: Path, machine_record: dict, context: int =
         "spread": {"target": round(float(target.spreads.max()), 3), "drafter": round(draft_spread, 3)},
         "context": context,
         "rounds": rounds,
-        "one_row_drift": one_row_drift(core, context),
+        "one_row_drift": one_row_drift(core, DRIFT_CONTEXT),
         "machine": machine_record,
         "measured": datetime.datetime.now().isoformat(timespec="seconds"),
     }
