@@ -24,7 +24,9 @@ At real size (a pair grown by `../shared/tools/grow/grow.py`, weights generated,
 
 Peers run the checkpoint at the engine's weight precision. `--gguf-engine` also runs DSpark on an engine built from
 the very GGUF file the llama.cpp peer runs (`dspark-export build --target-path FILE.gguf`: its Q4_0/Q8_0 blocks carried
-over), and the report counts the tokens each runner shares with the reference mode before their first divergence:
+over), and the report counts the tokens each runner shares with the reference mode before their first divergence
+(outputs are compared up to the first end token of either: with `ignore_eos` llama.cpp bans end tokens, DSpark
+emits them and goes on):
 
     python scripts/compare_peers.py ENGINE_DIR --peers llama.cpp --llama-cpp VENDOR/llama.cpp --gguf-engine \
         --modes off,fixed:3 --reference llama.cpp-q4_0 [--gguf-type q8_0]
@@ -271,6 +273,14 @@ def gguf_engine(gguf: Path, drafter: str | None, work: Path) -> Path:
     return out
 
 
+def comparable(tokens: list[int], reference: list[int], ends: set[int]) -> tuple[list[int], list[int]]:
+    """Both outputs up to the first end token of either: with `ignore_eos` llama.cpp bans end tokens where DSpark
+    (as vLLM) emits them and goes on, so the texts part there by rule, not by arithmetic."""
+    length = min(len(tokens), len(reference))
+    length = next((i for i in range(length) if tokens[i] in ends or reference[i] in ends), length)
+    return tokens[:length], reference[:length]
+
+
 def agreeing_prefix(tokens: list[int], reference: list[int]) -> int:
     """How many tokens `tokens` shares with `reference` before they first differ."""
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
@@ -389,6 +399,8 @@ def main() -> None:
     ttft: dict[str, list[float]] = {name: [] for _, name in order}
     agree = {name: 0 for _, name in order}
     prefix_tokens = {name: 0 for _, name in order}  # tokens agreeing with the reference until the first divergence
+    compared = {name: 0 for _, name in order}  # tokens compared (up to the first end token of either)
+    ends = set(manifest.eos_token_ids)
     for runner, name in order:  # warm-up
         runner.generate(name, prompts[0], args.max_tokens)
     for round_ in range(args.rounds):
@@ -407,8 +419,11 @@ def main() -> None:
         by_round.append({name: float(np.median(speeds[name][-len(prompts):])) for name in outputs})
         if args.temperature == 0:
             for name in outputs:
-                agree[name] += sum(a == b for a, b in zip(outputs[name], outputs[reference]))
-                prefix_tokens[name] += sum(map(agreeing_prefix, outputs[name], outputs[reference]))
+                for tokens, reference_tokens in zip(outputs[name], outputs[reference]):
+                    ours, theirs = comparable(tokens, reference_tokens, ends)
+                    agree[name] += ours == theirs
+                    prefix_tokens[name] += agreeing_prefix(ours, theirs)
+                    compared[name] += len(ours)
     for runner in runners:
         runner.close()
     medians = {name: float(np.median(values)) for name, values in speeds.items()}
@@ -425,10 +440,9 @@ def main() -> None:
     if ttft_prompt:
         report[f"ttft_seconds_{len(ttft_prompt)}_tokens"] = {k: round(float(np.median(v)), 3) for k, v in ttft.items()}
     if args.temperature == 0:
-        report[f"prompts_with_the_same_greedy_output_as_{reference}"] = agree
-        generated = args.rounds * len(prompts) * args.max_tokens
+        report[f"prompts_with_the_same_greedy_output_as_{reference}"] = agree  # up to the first end token
         report[f"share_of_tokens_agreeing_with_{reference}_until_the_first_divergence"] = {
-            name: round(count / generated, 3) for name, count in prefix_tokens.items()}
+            name: round(count / max(compared[name], 1), 3) for name, count in prefix_tokens.items()}
     print(json.dumps(report, indent=2))
 
 
