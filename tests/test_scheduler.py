@@ -91,6 +91,19 @@ def test_gate_pays_a_catch_up_only_when_the_remaining_tokens_repay_it():
     assert DraftGate(curve).worth_drafting(survival, context_rows=206, remaining=7)
 
 
+def test_a_probe_is_bought_only_where_sure_drafts_could_repay_it_twice():
+    """A look costs a drafter call (0.5 s here); at best it finds drafts that are always accepted, which save
+    1/plain - 1/sure seconds a token: a look is worth it once the tokens left could save twice its cost, and never
+    where even sure drafts lose."""
+    curve = SpeedCurve(0.8 + 0.2 * np.arange(1, 9), np.array([0.5]))
+    sure = path_throughputs(np.ones((1, 7)), curve, 7).max()
+    enough = 2 * 0.5 / (1 / curve.plain_steps_per_second(1) - 1 / sure)  # tokens that repay a look twice
+    gate = DraftGate(curve, 7)
+    assert gate.worth_a_look(1, int(np.ceil(enough))) and not gate.worth_a_look(1, int(np.floor(enough)))
+    hopeless = DraftGate(SpeedCurve(np.ones(8), np.array([9.0])), 7)
+    assert not hopeless.can_pay(1) and not hopeless.worth_a_look(1, 10**6)
+
+
 # ---- Appendix A (R = 1, γ = 2): scheduler decisions that peek at x1 break losslessness ------------
 
 def schedule_global(survival: np.ndarray, curve: SpeedCurve) -> np.ndarray:

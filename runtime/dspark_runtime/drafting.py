@@ -111,15 +111,15 @@ class Drafting:
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
         """The requests to draft for: all of them while a `fixed:K` request is among them (it pays for the drafter
         call anyway), when the `sync`/`async` requests' survivals say drafting pays, or when one of them is due to
-        look again (`Probes`); else none (their drafts are dropped, so the next step verifies nothing and runs no
+        look again (`Probes`) and a look can repay itself; else none (their drafts are dropped, so the next step verifies nothing and runs no
         drafter)."""
         scheduled = [s for s in sequences if s.spec.kind in SCHEDULED]
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences
         if self.gate.can_pay(len(scheduled)):
+            unread = sum(s.target_len - s.drafter_len for s in scheduled)
+            remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
             if all(s.survival is not None for s in scheduled):
-                unread = sum(s.target_len - s.drafter_len for s in scheduled)
-                remaining = sum(s.params.max_tokens - len(s.generated) for s in scheduled)
                 if self.gate.worth_drafting(tuple(s.survival for s in scheduled), unread, remaining):
                     for s in scheduled:
                         s.probes.paid()
@@ -128,7 +128,8 @@ class Drafting:
                 for s in scheduled:  # what the survivals said (a catch-up the tokens left cannot repay aside)
                     s.probes.paying |= self.gate.steady_pays
                     s.probes.declined |= not self.gate.steady_pays
-            if any(len(s.generated) >= s.probes.due for s in scheduled):
+            if any(len(s.generated) >= s.probes.due for s in scheduled) and \
+                    self.gate.worth_a_look(len(scheduled), remaining, unread):
                 for s in scheduled:  # the call refreshes every request's survivals
                     s.probes.looked(len(s.generated))
                 self.gate_steps["probe"] += 1

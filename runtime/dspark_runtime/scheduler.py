@@ -135,6 +135,9 @@ class AsyncScheduler:
         return lengths
 
 
+LOOK_RETURN = 2.0  # how many times its drafter call a probe's best case must save (see `DraftGate.worth_a_look`)
+
+
 class DraftGate:
     """Whether the next step drafts at all for `sync`/`async` requests, so that they take the drafter's win where
     it pays and cost no more than `off` plus a bounded share where it does not.
@@ -150,7 +153,8 @@ class DraftGate:
       first);
     - probes: each request looks for itself (`Probes`): its first decoding step drafts, and while its survivals
       say no it drafts again after a number of tokens that doubles with every no, so a request whose drafts do
-      not pay spends a shrinking share of its time on them and none stays shut for good.
+      not pay spends a shrinking share of its time on them and none stays shut for good; a look is bought only
+      where sure drafts could repay it twice over the tokens left (`worth_a_look`).
     """
 
     def __init__(self, curve: SpeedCurve, cap: int | None = None):
@@ -164,13 +168,23 @@ class DraftGate:
         if costs is None:
             curve, plain = self.curve, requests * self.curve.plain_steps_per_second(requests)
             sure = np.ones((requests, self.cap or len(curve.target_seconds)))
-            costs = self.costs[requests] = _LoadCosts(plain, path_throughputs(sure, curve, self.cap).max() > plain)
+            best = float(path_throughputs(sure, curve, self.cap).max())
+            costs = self.costs[requests] = _LoadCosts(plain, best > plain, best)
         return costs
 
     def can_pay(self, requests: int) -> bool:
         """Whether drafts that are always accepted would beat plain steps at this many requests (else nothing is
         drafted or probed)."""
         return self._costs(requests).can_pay
+
+    def worth_a_look(self, requests: int, remaining: int, context_rows: int = 0) -> bool:
+        """Whether a probe can repay itself: drafts that are always accepted would save, over the requests'
+        `remaining` tokens, at least `LOOK_RETURN` times the drafter call a look costs (a look finds less than sure
+        drafts). Where even those barely beat plain steps (four requests on 2 AVX2 cores: 4%), looking costs more
+        than it can find."""
+        costs = self._costs(requests)
+        saving = remaining * (1 / costs.plain - 1 / costs.sure) if costs.can_pay else 0.0
+        return saving >= LOOK_RETURN * self.curve.draft_time(requests, context_rows)
 
     def worth_drafting(self, survivals: Sequence[np.ndarray], context_rows: int = 0, remaining: int = 0) -> bool:
         """`survivals`: each request's latest prefix survivals (the same objects while they have not changed);
@@ -224,3 +238,4 @@ class _LoadCosts:
 
     plain: float
     can_pay: bool
+    sure: float  # the best throughput with drafts that are always accepted
