@@ -546,10 +546,11 @@ def test_chat_content_parts_are_joined(engine):
     assert engine.chat(parts, GREEDY).token_ids == engine.chat(plain, GREEDY).token_ids
 
 
-def test_exact_greedy_pads_a_one_token_step_and_keeps_every_mode_alike(tmp_path):
-    """With `exact_greedy`, a step of one token carries a second (a copy at the next position, which no row reads),
-    so plain steps run the batched kernels that verification runs: on an int4 engine in blocks of 32 (whose lone
-    row differs from a batch on AVX2 CPUs) greedy output is then the same in every mode on any CPU."""
+def test_exact_greedy_pads_every_step_to_pairs_and_keeps_every_mode_alike(tmp_path):
+    """With `exact_greedy`, a step of an odd number of tokens carries one more (a copy of its last at the next
+    position, which no row reads), so every row runs in a pair as verification's rows do: on an int4 engine in blocks
+    of 64 (whose lone rows, alone or last in an odd batch, differ from paired ones on AVX2 CPUs and with AVX-512 VNNI)
+    greedy output is then the same in every mode on any CPU."""
     from dspark_export.graphs.weights import WeightFormat
     from types import SimpleNamespace
 
@@ -559,12 +560,16 @@ def test_exact_greedy_pads_a_one_token_step_and_keeps_every_mode_alike(tmp_path)
     train_tokenizer(TEXT, target, vocab_size=300)
     drafter = write_drafter(target, tmp_path / "drafter", gamma=3)
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "drafter", cache_slots=2,
-                          max_batch_tokens=32, show_progress=False, weights=WeightFormat("int4", 32))
+                          max_batch_tokens=32, show_progress=False, weights=WeightFormat("int4", 64))
     with Engine.load(folder, OrtBackend(threads=1), exact_greedy=True) as engine:
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
-        for spec in ("fixed:1", "fixed:3", "async"):
+        for spec in ("fixed:1", "fixed:2", "fixed:3", "async"):
             assert [engine.generate(p, GREEDY, spec=spec).token_ids for p in PROMPTS] == plain, spec
         decoding = SimpleNamespace(decoding=True, request_id=0, anchor=7, drafts=None, slot=1, target_len=2)
-        rows, batch = lay_out([decoding], {0: 0}, engine.manifest, min_tokens=2)
+        rows, batch = lay_out([decoding], {0: 0}, engine.manifest, row_multiple=2)
         assert batch.input_ids.tolist() == [7, 7] and batch.pos.tolist() == [2, 3] and batch.slot.tolist() == [1, 1]
         assert batch.logit_index.tolist() == [0] and (rows[0].count, rows[0].logit_count) == (1, 1)
+        decoding.drafts = np.asarray([8, 9, 10])
+        rows, batch = lay_out([decoding], {0: 2}, engine.manifest, row_multiple=2)
+        assert batch.input_ids.tolist() == [7, 8, 9, 9] and batch.pos.tolist() == [2, 3, 4, 5]
+        assert batch.logit_index.tolist() == [0, 1, 2] and (rows[0].count, rows[0].logit_count) == (3, 3)

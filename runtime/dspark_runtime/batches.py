@@ -176,13 +176,15 @@ class Row:
 
 
 def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest,
-            min_tokens: int = 1) -> tuple[list[Row], TargetBatch]:
+            row_multiple: int = 1) -> tuple[list[Row], TargetBatch]:
     """One step's target batch: every decoding request's anchor and the `lengths[id]` drafts it verifies, then prefill
     chunks of new requests within the token budget and the cache rows; and where each request's tokens sit.
 
-    A step of fewer than `min_tokens` tokens is padded with copies of its last token at the next positions (no row
-    reads them; their cache rows are written again by the next step): with 2, every step runs the batched kernels,
-    so a plain step computes exactly as a verification step does (`Engine.load(exact_greedy=True)`)."""
+    A step is padded to a multiple of `row_multiple` tokens with copies of its last token at the next positions (no
+    row reads them; their cache rows are written again by the next step). With 2 every row runs in a pair, the unit
+    of ONNX Runtime's batched int4 kernels (a lone row, alone or last in an odd batch, takes another kernel on some
+    CPUs), so a plain step computes exactly as a verification step does and no row depends on the others
+    (`Engine.load(exact_greedy=True)`)."""
     ids, slots, positions, logit_index, rows = [], [], [], [], []
     budget = manifest.max_batch_tokens
     decoding = [s for s in active if s.decoding]
@@ -197,7 +199,7 @@ def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest,
         positions += range(s.target_len, s.target_len + len(tokens))
     # a slot's new tokens are padded to the step's longest in a cache of cache_rows positions: a chunk may
     # not run past the end of the fullest slot's rows (decoding rows always fit: cache_rows leaves γ + 1)
-    longest = manifest.cache_rows - max(s.target_len for s in active)
+    longest = manifest.cache_rows - max(s.target_len for s in active) - (row_multiple - 1)  # room for the padding
     for s in prefilling:
         room = min(budget - len(ids), longest)
         if room <= 0 and ids:
@@ -210,7 +212,7 @@ def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest,
         ids += chunk
         slots += [s.slot] * len(chunk)
         positions += range(s.prefilled, s.prefilled + len(chunk))
-    while ids and len(ids) < min_tokens:
+    while len(ids) % row_multiple:
         ids.append(ids[-1])
         slots.append(slots[-1])
         positions.append(positions[-1] + 1)

@@ -38,9 +38,9 @@ class EngineCore:
 
     def __init__(self, manifest: Manifest, target: GraphRunner, drafter: GraphRunner | None,
                  curve: SpeedCurve | None = None, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None = None,
-                 min_step_tokens: int = 1):
-        """`min_step_tokens` 2 pads one-token steps to two (`lay_out`): plain steps then use the batched kernels."""
-        self.manifest, self.target, self.min_step_tokens = manifest, target, min_step_tokens
+                 row_multiple: int = 1):
+        """`row_multiple` 2 pads every step to an even number of rows (`lay_out`): every row then runs in a pair."""
+        self.manifest, self.target, self.row_multiple = manifest, target, row_multiple
         self.slots = SlotPool(manifest.cache_slots)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -95,7 +95,7 @@ class EngineCore:
         if not self.active:
             return
         lengths = self._timed("schedule", self.drafting.schedule, [s for s in self.active if s.decoding])
-        rows, batch = lay_out(self.active, lengths, self.manifest, self.min_step_tokens)
+        rows, batch = lay_out(self.active, lengths, self.manifest, self.row_multiple)
         outputs = self._timed("target", self.target.run, batch)
         for row in rows:
             self._isolated(row.sequence, self._advance, row, outputs)

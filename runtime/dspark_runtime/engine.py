@@ -182,10 +182,11 @@ class Engine:
         thread count, is profiled first, announced by a line on stderr (`profile=False` skips it: then `sync`/`async`
         are unavailable without a curve, and a line warns about a curve from elsewhere).
 
-        `exact_greedy`: every step runs at least two rows, so that a plain step computes as a verification step does
-        and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
-        (`dspark-run profile` reports such a CPU; ONNX Runtime's int4 on AVX2 without VNNI): plain steps then cost
-        what two-token steps cost (1.37x a one-token step at Qwen3-1.7B's shape on such a CPU).
+        `exact_greedy`: every step runs an even number of rows, so that a plain step computes as a verification step
+        does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
+        (`dspark-run profile` reports such a CPU; ONNX Runtime's int4 on AVX2 without VNNI at every block size, and
+        with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token steps cost (1.37x a one-token
+        step at Qwen3-1.7B's shape on such a CPU).
         """
         folder = Path(path)
         manifest = read_manifest(folder)
