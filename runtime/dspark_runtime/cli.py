@@ -29,8 +29,8 @@ def engine_options(command):
     command = click.option(
         "--exact-greedy", is_flag=True, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
-        help="Every step runs at least two rows, so greedy output is the same in every mode even on a CPU whose "
-             "kernels compute a lone row otherwise (`profile` says so); plain steps cost more.")(command)
+        help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
+             "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more.")(command)
     return click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))(command)
 
 
