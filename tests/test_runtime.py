@@ -335,6 +335,18 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
                 assert engine.generate(prompt, GREEDY, spec=spec).token_ids == plain
 
 
+def test_profile_says_when_its_rounds_were_timed_on_a_busy_machine():
+    """The gate prices every decision from the curve: one timed beside other work (rounds 32% apart) put `async` at
+    0.88x `off` at Qwen3-8B's shape where a quiet one gave parity, so `profile` says to measure again."""
+    from dspark_runtime.cli import profile_notes
+
+    quiet = {"spread": {"target": 0.06, "drafter": 0.2}, "one_row_drift": 0.0}
+    assert profile_notes(quiet) == []
+    busy = profile_notes(quiet | {"spread": {"target": 0.32, "drafter": 0.01}})
+    assert len(busy) == 1 and "quiet machine" in busy[0]
+    assert "--exact-greedy" in profile_notes(quiet | {"one_row_drift": 7.7e-3})[0]
+
+
 def test_profile_measures_a_one_row_kernel_that_differs(echo_engine_dir):
     """A target that computes a token alone otherwise than in a batch (as ONNX Runtime's int4 kernels do on AVX2
     without VNNI) is caught by `one_row_drift`, which `dspark-run profile` reports."""

@@ -365,7 +365,8 @@ def profile(engine_dir, context, rounds, threads) -> None:
     """Measure target step time per batch size and drafter time per request count (hardware_curve.json).
 
     The `sync` and `async` modes schedule verification from these costs. Sizes are timed in interleaved rounds;
-    a size whose rounds disagree by more than 25% is measured again, and the largest disagreement is printed.
+    a size whose rounds disagree by more than 25% is measured again, and the largest disagreement is printed (above
+    20%, with a note to profile again on a quiet machine).
     """
     from tqdm import tqdm
 
@@ -380,11 +381,26 @@ def profile(engine_dir, context, rounds, threads) -> None:
                f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request; largest spread between rounds "
                f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
+    for note in profile_notes(curve):
+        click.echo(f"note: {note}")
+
+
+NOISY_SPREAD = 0.2  # rounds that disagree by more than this were timed on a busy machine
+
+
+def profile_notes(curve: dict) -> list[str]:
+    """What `profile` says beyond its figures: rounds timed on a busy machine, a CPU whose lone rows compute
+    otherwise."""
+    notes = []
+    if max(curve["spread"].values()) > NOISY_SPREAD:
+        notes.append("the rounds disagreed by more than 20%: something else was running. `sync` and `async` decide "
+                     "from these costs; profile again on a quiet machine for the figures they should use.")
     if curve["one_row_drift"]:
-        click.echo(f"note: on this CPU the target computes a token alone with other kernels than in a batch (logits "
-                   f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "
-                   "where two tokens nearly tie; --exact-greedy makes every mode compute alike (a plain step then "
-                   "costs what a two-token step does).")
+        notes.append(f"on this CPU the target computes a token alone with other kernels than in a batch (logits "
+                     f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "
+                     "where two tokens nearly tie; --exact-greedy makes every mode compute alike (a plain step then "
+                     "costs what a two-token step does).")
+    return notes
 
 
 @main.command()
