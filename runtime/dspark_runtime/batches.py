@@ -181,10 +181,10 @@ def lay_out(active: list[Sequence], lengths: dict[int, int], manifest: Manifest,
     chunks of new requests within the token budget and the cache rows; and where each request's tokens sit.
 
     A step is padded to a multiple of `row_multiple` tokens with copies of its last token at the next positions (no
-    row reads them; their cache rows are written again by the next step). With 2 every row runs in a pair, the unit
-    of ONNX Runtime's batched int4 kernels (a lone row, alone or last in an odd batch, takes another kernel on some
-    CPUs), so a plain step computes exactly as a verification step does and no row depends on the others
-    (`Engine.load(exact_greedy=True)`)."""
+    row reads them; their cache rows are written again by the next step). With 2 every row runs in a pair: ONNX
+    Runtime's attention computes a query alone otherwise than several, and on some CPUs its int4 kernels a lone row,
+    alone or last in an odd batch; so a plain step computes exactly as a verification step does and no row depends
+    on the others (`Engine.load(exact_greedy=True)`)."""
     ids, slots, positions, logit_index, rows = [], [], [], [], []
     budget = manifest.max_batch_tokens
     decoding = [s for s in active if s.decoding]

@@ -184,9 +184,9 @@ class Engine:
 
         `exact_greedy`: every step runs an even number of rows, so that a plain step computes as a verification step
         does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
-        (`dspark-run profile` reports such a CPU; ONNX Runtime's int4 on AVX2 without VNNI at every block size, and
-        with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token steps cost (1.37x a one-token
-        step at Qwen3-1.7B's shape on such a CPU).
+        (`dspark-run profile` reports it: ONNX Runtime's attention everywhere, its int4 kernels on AVX2 without VNNI
+        at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
+        steps cost (1.37x a one-token step at Qwen3-1.7B's shape on an AVX2 CPU).
         """
         folder = Path(path)
         manifest = read_manifest(folder)
