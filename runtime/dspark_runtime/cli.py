@@ -393,8 +393,8 @@ def profile_notes(curve: dict) -> list[str]:
     otherwise."""
     notes = []
     if max(curve["spread"].values()) > NOISY_SPREAD:
-        notes.append("the rounds still disagreed by more than 25% when measured again: the machine was busy. `sync` "
-                     "and `async` decide from these costs; profile again on a quiet machine.")
+        notes.append(f"the rounds still disagreed by more than {NOISY_SPREAD:.0%} when measured again: the machine "
+                     "was busy. `sync` and `async` decide from these costs; profile again on a quiet machine.")
     if curve["one_row_drift"]:
         notes.append(f"on this CPU the target computes a token alone with other kernels than in a batch (logits "
                      f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "

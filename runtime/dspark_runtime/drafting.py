@@ -111,8 +111,8 @@ class Drafting:
     def _gated(self, sequences: list[Sequence]) -> list[Sequence]:
         """The requests to draft for: all of them while a `fixed:K` request is among them (it pays for the drafter
         call anyway), when the `sync`/`async` requests' survivals say drafting pays, or when one of them is due to
-        look again (`Probes`) and a look can repay itself; else none (their drafts are dropped, so the next step verifies nothing and runs no
-        drafter)."""
+        look again (`Probes`) and a look can repay itself; else none (their drafts are dropped, so the next step
+        verifies nothing and runs no drafter)."""
         scheduled = [s for s in sequences if s.spec.kind in SCHEDULED]
         if not self.draft_gate or not scheduled or len(scheduled) < len(sequences):
             return sequences

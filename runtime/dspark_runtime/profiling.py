@@ -88,8 +88,7 @@ def one_row_drift(core: EngineCore, context: int) -> float:
     core.target.run(TargetBatch(prompt, np.arange(context), np.zeros(context, np.int64), cache_len,
                                 np.array([context - 1])))
     cache_len[0] = context
-    one = np.zeros(1, np.int64)
-    alone = core.target.run(TargetBatch(np.full(1, 5), np.full(1, context), one, cache_len, one))["logits"][0]
+    alone = core.target.run(target_batch(core, 1, context))["logits"][0]
     paired = core.target.run(TargetBatch(np.full(2, 5), context + np.arange(2), np.zeros(2, np.int64), cache_len,
                                          np.arange(2)))["logits"][0]
     likeliest = np.argsort(alone)[-DRIFT_TOKENS:]
