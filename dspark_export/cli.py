@@ -129,23 +129,28 @@ def main() -> None:
 
 
 @main.command()
+@click.argument("path", required=False, metavar="[PATH]")
 @target_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(target, target_path, dtype, weights, quant_block_size, accuracy_level, cache_slots, max_context, kv_memory,
-            as_json) -> None:
+def inspect(path, target, target_path, dtype, weights, quant_block_size, accuracy_level, cache_slots, max_context,
+            kv_memory, as_json) -> None:
     """Show a target's architecture, size and the memory of an engine built from it (as `build` would size it).
+    PATH is short for --target-path.
 
     \b
     Examples:
       dspark-export inspect --target qwen3-8b --weights int4 --cache-slots 4 --max-context 8192
-      dspark-export inspect --target-path ~/models/Qwen3-4B
+      dspark-export inspect ~/models/Qwen3-4B
+      dspark-export inspect ~/models/qwen3-8b-q4_k_m.gguf
     """
     from dspark_export.inspect import describe_target, format_report
     from dspark_export.presets import resolve_target
     from dspark_export.sizing import size_engine
 
-    spec = resolve_target(target, target_path)
+    if path and target_path:
+        raise click.UsageError("give the target's path once: PATH or --target-path")
+    spec = resolve_target(target, path or target_path)
     fmt = weight_format(dtype, weights or spec.weights, quant_block_size)
     checkpoint = spec.checkpoint() if spec.path is not None else None
     size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context,

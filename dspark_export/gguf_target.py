@@ -7,7 +7,8 @@ F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, a
 `MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the file's
 own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a signed byte, in blocks of 32 with one float16
 scale (MatMulNBits' layout once the nibbles are re-paired and the bytes offset by 128); Q6_K is d·s·(q - 32) per
-16 weights (8-bit codes in blocks of 16 with zero point 32).
+16 weights (8-bit codes in blocks of 16 with zero point 32), whose products round their activations as llama.cpp's
+do (`rounds_activations`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CARRIED_BLOCK = 32
 EXACT = 1e-6  # a relative RMS error of re-quantization below this is float rounding: the format holds the grid
 CARRIED = {  # GGUF types whose blocks `MatMulNBits` holds exactly, and how
     "Q4_0": Layout(4, CARRIED_BLOCK), "Q8_0": Layout(8, CARRIED_BLOCK), "Q6_K": Layout(8, 16, zero_points=True)}
+ROUNDS_ACTIVATIONS = ("Q6_K",)  # carried types whose ggml products round activations to Q8_K (`ggml_rounding`)
 Q6_K_BYTES, Q6_K_SCALES = 210, slice(192, 208)  # a 256-weight Q6_K block: ql[128], qh[64], scales[16] (int8), d
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_CHUNK = 1 << 22  # weights dequantized at a time
@@ -346,6 +348,11 @@ class GGUFCheckpoint:
     def carried_layout(self, name: str) -> Layout | None:
         """The MatMulNBits layout that holds this matrix exactly (Q4_0, Q8_0, Q6_K), or None."""
         return CARRIED.get(self.tensors[name].tensor_type.name)
+
+    def rounds_activations(self, name: str) -> bool:
+        """Whether llama.cpp rounds what this carried matrix multiplies to Q8_K (its K-quant products do), so the
+        engine does too."""
+        return self.tensors[name].tensor_type.name in ROUNDS_ACTIVATIONS
 
     def carried(self, name: str) -> Carried | None:
         """This matrix's own codes and scales in MatMulNBits' layout, exact; None for a type it cannot hold.

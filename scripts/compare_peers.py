@@ -29,7 +29,13 @@ over), and the report counts the tokens each runner shares with the reference mo
 emits them and goes on):
 
     python scripts/compare_peers.py ENGINE_DIR --peers llama.cpp --llama-cpp VENDOR/llama.cpp --gguf-engine \
-        --modes off,fixed:3 --reference llama.cpp-q4_0 [--gguf-type q8_0]
+        --modes off,fixed:3 --reference llama.cpp-q4_0 [--gguf-type q8_0] \
+        [--llama-cpp-flags="-fa off" --llama-cpp-flags=--no-repack]
+
+`--llama-cpp-flags` adds llama.cpp again with other flags of its own (flash attention off, its weights not repacked):
+how often it agrees with itself is the floor under anyone's agreement with it. Its quantized matrix products round
+every activation to 8 bits per block of 32, and a rounding flipped by a float difference of 1e-6 (another order of
+summation) grows layer by layer, so on near-ties llama.cpp parts from itself too.
 
 Peers (not part of the test suite):
 - `transformers`: `generate()`, eager, fp32. Needs torch and transformers (`pip install -e ".[export,test]"`).
@@ -156,8 +162,10 @@ def gguf_file(source: Path, model_dir: Path, work: Path, gguf_type: str, label: 
 
 
 def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf_type: str,
-                   temperature: float, repack: bool, draft: tuple[Path, int, str] | None = None, **_) -> Generate:
-    """llama-server on loopback (with llama.cpp's DSpark speculation when `draft` = (DeepSpec folder, K, type))."""
+                   temperature: float, repack: bool, draft: tuple[Path, int, str] | None = None,
+                   flags: tuple[str, ...] = (), **_) -> Generate:
+    """llama-server on loopback (with llama.cpp's DSpark speculation when `draft` = (DeepSpec folder, K, type)),
+    `flags` added to its command line."""
     import socket
     import urllib.request
 
@@ -170,6 +178,7 @@ def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf
                str(port), "-t", str(threads), "-tb", str(threads), "-c", str(min(context, 8192)), "-np", "1"]
     if not repack:
         command.append("--no-repack")
+    command += flags
     if draft is not None:
         folder, draft_max, draft_type = draft
         drafter = gguf_file(source, folder, work, draft_type, folder.name, "--target-model-dir", str(model_dir))
@@ -202,13 +211,13 @@ def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf
 
 
 def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float, prefix: str = "",
-                  **_) -> dict[str, Generate]:
+                  exact_greedy: bool = False, **_) -> dict[str, Generate]:
     from dataclasses import replace
     from functools import partial
 
     from dspark_runtime import Engine, OrtBackend, SamplingParams
 
-    engine = Engine.load(engine_dir, OrtBackend(threads, shared_pool=True))
+    engine = Engine.load(engine_dir, OrtBackend(threads, shared_pool=True), exact_greedy=exact_greedy)
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
     seeds = iter(range(1 << 30))  # a seed per request: sampled runs differ from call to call, as the peers' do
 
@@ -327,6 +336,12 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with llama-server built (see above)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="pass --no-repack to llama.cpp (its Q4_0/Q8_0 repacking crashed at load on some CPUs)")
+    parser.add_argument("--exact-greedy", action="store_true",
+                        help="DSpark steps an even number of rows (`dspark-run --exact-greedy`): every mode's greedy "
+                             "output then equals `off`'s")
+    parser.add_argument("--llama-cpp-flags", action="append", default=[], metavar="FLAGS",
+                        help="also run llama.cpp with these flags added (repeatable; named `llama.cpp-TYPE FLAGS`): "
+                             "its agreement with the plain llama.cpp peer is the noise floor of its own arithmetic")
     parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
                         help="GGUF precision (default: the engine's)")
     parser.add_argument("--draft-gguf-type", default="q8_0", choices=sorted(set(GGUF_TYPE.values())),
@@ -356,10 +371,12 @@ def main() -> None:
     unknown = [name for name in names if name.partition("-dspark:")[0] not in PEERS]
     if unknown:
         parser.error(f"unknown peer {unknown[0]!r}")
+    if args.llama_cpp_flags and "llama.cpp" not in names:
+        parser.error("--llama-cpp-flags varies the llama.cpp peer: add it to --peers")
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
     engine_dir = Path(args.engine_dir) if args.engine_dir else default_engine_dir("demo", "demo-dspark")
-    common = {"threads": args.threads, "temperature": args.temperature}
+    common = {"threads": args.threads, "temperature": args.temperature, "exact_greedy": args.exact_greedy}
     runners = [Runner("dspark", common | {"engine_dir": args.engine_dir, "modes": modes})]  # builds the demo first
     manifest = read_manifest(engine_dir)
     model_dir = args.checkpoint or resolve_target(manifest.target_name, None).require_path()
@@ -376,17 +393,20 @@ def main() -> None:
         gguf = gguf_file(args.llama_cpp, model_dir, args.work, gguf_type, model_dir.name)
         engine = gguf_engine(gguf, args.drafter or manifest.drafter_name, args.work)
         runners.append(Runner("dspark", common | {"engine_dir": str(engine), "modes": modes, "prefix": "gguf-"}))
+    peer_options = common | {"model_dir": model_dir, "precision": precision, "work": args.work,
+                             "source": args.llama_cpp, "gguf_type": gguf_type, "repack": args.repack}
     for name in names:
         kind, _, draft_max = name.partition("-dspark:")
-        options = common | {"model_dir": model_dir, "precision": precision, "work": args.work,
-                            "source": args.llama_cpp, "gguf_type": gguf_type, "repack": args.repack,
-                            "label": labels[kind] + (f"-dspark:{draft_max}" if draft_max else "")}
+        options = peer_options | {"label": labels[kind] + (f"-dspark:{draft_max}" if draft_max else "")}
         if draft_max:
             drafter = args.drafter or manifest.drafter_name
             if drafter is None:
                 parser.error("llama.cpp-dspark needs an engine with a drafter")
             options["draft"] = (deepspec_drafter(drafter, model_dir, args.work), int(draft_max), args.draft_gguf_type)
         runners.append(Runner(kind, options))
+    for flags in args.llama_cpp_flags:
+        runners.append(Runner("llama.cpp", peer_options | {"flags": tuple(flags.split()),
+                                                           "label": f"{labels['llama.cpp']} {flags}"}))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
     reference = args.reference or modes[0]

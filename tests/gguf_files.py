@@ -28,7 +28,7 @@ def gguf_name(name: str) -> str:
 def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str | None = None,
                embedding_type: str | None = None, pre_tokenizer: str = "gpt-2") -> Path:
     """`folder` (config.json, model.safetensors, tokenizer files) as one GGUF file of weight type `qtype` (the
-    embedding in `embedding_type`, as llama-quantize keeps a tied embedding at Q8_0 or Q6_K)."""
+    embedding in `embedding_type`, as llama-quantize keeps a tied embedding at Q8_0 or Q6_K; Q6_K by `q6_k`)."""
     import gguf
     from gguf.quants import quantize
 
@@ -77,7 +77,8 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
         chosen = embedding_type if embedding_type and name == "model.embed_tokens.weight" else qtype
         if values.ndim == 2 and chosen != "F32":
             kind = gguf.GGMLQuantizationType[chosen]
-            writer.add_tensor(gguf_name(name), quantize(values, kind), raw_dtype=kind)
+            data = q6_k(values) if chosen == "Q6_K" else quantize(values, kind)  # the gguf package has no Q6_K writer
+            writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), values.astype(np.float32))
     writer.write_header_to_file()
@@ -85,3 +86,31 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
     writer.write_tensors_to_file()
     writer.close()
     return file
+
+
+def q6_k_bytes(codes: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Rows of Q6_K blocks as ggml lays them out (ql, qh, int8 scales, float16 d per 256 weights) from 6-bit
+    codes [n, K], scales [n, K/16] and d [n, K/256]."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // 256, 2, 4, 32)  # per half of a block: four runs of 32, as dequantize_row_q6_K reads
+    ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                         (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=-1)  # [n, B, 2, 64]
+    qh = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64),
+                             sub_scales.astype(np.int8).view(np.uint8).reshape(n, -1, 16),
+                             d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)], axis=-1)
+    return blocks.astype(np.uint8).reshape(n, -1)
+
+
+def q6_k(values: np.ndarray) -> np.ndarray:
+    """float32 rows [n, K] (K a multiple of 256) rounded to Q6_K's grid and laid out as its blocks: per run of 16
+    weights an int8 scale of a float16 d per 256, 6-bit codes around 32."""
+    n, k = values.shape
+    runs = values.reshape(n, k // 16, 16)
+    wanted = np.abs(runs).max(-1) / 31  # the scale each run would like
+    d = (wanted.reshape(n, k // 256, 16).max(-1) / 127).astype(np.float16)
+    per_run = np.repeat(d.astype(np.float32), 16, axis=1)
+    sub_scales = np.rint(wanted / np.where(per_run > 0, per_run, 1)).clip(-128, 127)
+    step = (per_run * sub_scales)[..., None]
+    codes = (np.rint(runs / np.where(step > 0, step, 1)) + 32).clip(0, 63).astype(np.uint8)
+    return q6_k_bytes(codes.reshape(n, k), sub_scales, d)

@@ -30,7 +30,7 @@ from dspark_runtime import Engine  # noqa: E402
 from dspark_runtime.backend import OrtBackend, OrtRunner  # noqa: E402
 from dspark_runtime.batches import TargetBatch  # noqa: E402
 from dspark_common.graph_io import target_io  # noqa: E402
-from tests.gguf_files import write_gguf  # noqa: E402
+from tests.gguf_files import q6_k_bytes, write_gguf  # noqa: E402
 
 TYPES = ("F32", "Q8_0", "Q4_0", "Q5_0")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -92,8 +92,9 @@ def test_an_engine_computes_with_the_files_own_weights(files, tmp_path, qtype, w
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_greedy_speculation_on_a_gguf_engine_equals_its_target(files, tmp_path, qtype):
-    """Verification steps of every length compute alike (`fixed:1` = `fixed:3`); and where this CPU computes a
-    token alone as in a batch (`one_row_drift` 0: int4 on AVX-512 VNNI, not on AVX2), they equal `off` too."""
+    """Verification steps of every length compute alike (`fixed:1` = `fixed:3`); where this CPU computes a token
+    alone as in a batch (`one_row_drift` 0: int4 on AVX-512 VNNI, not on AVX2) they equal `off` too, and with
+    `exact_greedy` (every step an even number of rows) every mode equals `off` on every CPU."""
     from dspark_runtime.profiling import one_row_drift
 
     spec = resolve_target(None, files[qtype])
@@ -110,18 +111,26 @@ def test_greedy_speculation_on_a_gguf_engine_equals_its_target(files, tmp_path, 
             assert engine.generate(prompt, GREEDY, spec="fixed:3").token_ids == verified
             if one_row_alike:
                 assert engine.generate(prompt, GREEDY, spec="off").token_ids == verified
+    with Engine.load(folder, OrtBackend(threads=1), exact_greedy=True) as engine:
+        for prompt in TEXTS[:2]:
+            plain = engine.generate(prompt, GREEDY, spec="off").token_ids
+            assert all(engine.generate(prompt, GREEDY, spec=mode).token_ids == plain
+                       for mode in ("fixed:1", "fixed:3", "async"))
 
 
 def test_inspect_names_each_files_quantization(files):
     for qtype, options, weights, exact in (("Q4_0", [], "int4", True), ("Q5_0", [], "int8", True),
                                            ("Q5_0", ["--weights", "int4"], "int4", False)):
-        result = CliRunner().invoke(export_main, ["inspect", "--target-path", str(files[qtype]), "--json", *options])
+        path = [str(files[qtype])] if options else ["--target-path", str(files[qtype])]  # PATH is --target-path
+        result = CliRunner().invoke(export_main, ["inspect", *path, "--json", *options])
         assert result.exit_code == 0, result.output
         report = json.loads(result.output)
         assert report["weights"] == str(files[qtype].resolve()) and report["memory"]["weights"] == weights
         found = report["gguf"]
         assert found["main_type"] == qtype and found["types"]["q_proj"] == f"{qtype} x6"
         assert found["all_exact"] == exact and (found["requantized_error"] > 0.05) == (not exact)
+    twice = CliRunner().invoke(export_main, ["inspect", str(files["Q4_0"]), "--target-path", str(files["Q4_0"])])
+    assert twice.exit_code == 2 and "PATH or --target-path" in twice.output
 
 
 def test_bad_gguf_files_fail_in_one_line(files, tmp_path):
@@ -245,20 +254,6 @@ def test_a_llama_gguf_is_read_back_to_its_hugging_face_model(tmp_path):
             assert np.abs(logits - dequantized.logits[0].numpy()).max() < 1e-3
 
 
-def q6_k_bytes(codes: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Rows of Q6_K blocks as ggml lays them out (ql, qh, int8 scales, float16 d per 256 weights) from 6-bit
-    codes [n, K], scales [n, K/16] and d [n, K/256]."""
-    n, k = codes.shape
-    q = codes.reshape(n, k // 256, 2, 4, 32)  # per half of a block: four runs of 32, as dequantize_row_q6_K reads
-    ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
-                         (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=-1)  # [n, B, 2, 64]
-    qh = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6)
-    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64),
-                             sub_scales.astype(np.int8).view(np.uint8).reshape(n, -1, 16),
-                             d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)], axis=-1)
-    return blocks.astype(np.uint8).reshape(n, -1)
-
-
 def test_q6_k_blocks_are_carried_exactly():
     """Q6_K (Q4_K_M's output layer and some v/down projections) becomes 8-bit codes in blocks of 16 with zero point
     32: (code - 32) · scale equals the gguf package's own dequantization bit for bit."""
@@ -280,3 +275,64 @@ def test_q6_k_blocks_are_carried_exactly():
     assert np.array_equal(rebuilt.reshape(n, k), values)
     nonzero = np.repeat(sub_scales != 0, 16, axis=1)
     assert np.array_equal(carried.codes.reshape(n, k)[nonzero], codes[nonzero])
+
+
+def ggml_q8_k(x: np.ndarray) -> np.ndarray:
+    """ggml's `quantize_row_q8_K_ref`, each code times its block's d: per 256, iscale = -127/peak (the first element
+    of largest magnitude), code = min(127, nearest_int(iscale·x)), d = 1/iscale; a block of zeros stays zeros."""
+    blocks = x.astype(np.float32).reshape(-1, 256)
+    out = np.zeros_like(blocks)
+    for row, block in enumerate(blocks):
+        peak = block[np.argmax(np.abs(block))]
+        if peak != 0:
+            iscale = np.float32(-127.0) / peak
+            out[row] = np.minimum(np.float32(127), np.rint(iscale * block)) * (np.float32(1) / iscale)
+    return out.reshape(x.shape)
+
+
+def test_the_q8_k_rounding_nodes_round_as_ggml_does():
+    """ggml's codes and scales (their product to float rounding: ONNX Runtime may fold code · (1/iscale) into one
+    division), with zeros, a negative peak, a tie of magnitudes (the first wins) and codes on halves (to even)."""
+    from onnx import TensorProto, helper
+    import onnxruntime as ort
+
+    from dspark_export.graphs.ggml_rounding import q8_k_rounding
+    from dspark_plugins.builder import GraphBuilder
+
+    x = np.random.default_rng(1).standard_normal((3, 768)).astype(np.float32)
+    x[0, :256] = 0
+    x[1, 300] = -9.0
+    x[2, :256] = np.arange(256) % 20 - 9.5
+    x[2, 0] = -127.0  # scale 1: the halves above round to even
+    x[2, 512:514] = 5.0, -5.0
+    b = GraphBuilder()
+    b.op("Identity", q8_k_rounding(b, "x"), name="y")
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 768])  # noqa: E731
+    model = helper.make_model(helper.make_graph(b.nodes, "q8_k", [value("x")], [value("y")]),
+                              opset_imports=[helper.make_opsetid("", 21)])
+    (ours,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    np.testing.assert_allclose(ours, ggml_q8_k(x), rtol=1e-6, atol=0)  # a code off by one is 1/127 or more
+    assert not ours[0, :256].any() and np.array_equal(ours[2, :20], np.rint(x[2, :20]))
+
+
+def test_a_q6_k_head_multiplies_activations_rounded_as_llama_cpp_rounds_them(tmp_path):
+    """llama.cpp multiplies Q6_K blocks (a Q4_0 file's tied LM head at real sizes) by activations rounded to Q8_K:
+    the engine's logits are the file's dequantized head times the final hidden states so rounded, not unrounded."""
+    from dspark_export.demo.tokenizer import train_tokenizer
+    from tests.conftest import write_hf_checkpoint
+
+    folder = write_hf_checkpoint(tmp_path / "qwen3", vocab_size=300, hidden_size=256, max_position_embeddings=64,
+                                 tie_word_embeddings=True)
+    train_tokenizer(["a small text for a small tokenizer"] * 4, folder, vocab_size=300)
+    spec = resolve_target(None, write_gguf(folder, tmp_path / "q6_k.gguf", "Q8_0", embedding_type="Q6_K"))
+    checkpoint = spec.checkpoint()
+    assert checkpoint.rounds_activations("model.embed_tokens.weight")
+    assert not checkpoint.rounds_activations("model.layers.0.mlp.up_proj.weight")  # Q8_0: ONNX Runtime's own int8
+    ids = np.arange(3, 15)
+    logits = graph_logits(checkpoint, tmp_path / "target.onnx", ids, WeightFormat(spec.weights, accuracy_level=0))
+    with torch.no_grad():
+        model = DecoderModel.from_checkpoint(checkpoint, "float32")
+        hidden = model(torch.from_numpy(ids[None]), feature_layers=[2], logits=False).features[2][0].numpy()
+    head = checkpoint.float32("model.embed_tokens.weight")
+    assert np.abs(logits - ggml_q8_k(hidden) @ head.T).max() < 1e-4
+    assert np.abs(logits - hidden @ head.T).max() > 1e-3

@@ -19,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
+from dspark_export.graphs.ggml_rounding import q8_k_rounding
 from dspark_common.engine_checks import WEIGHT_FORMATS
 from dspark_common.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
@@ -67,6 +68,8 @@ class Carrier(Protocol):
     def carried_layout(self, name: str) -> Layout | None: ...
 
     def carried(self, name: str) -> Carried | None: ...
+
+    def rounds_activations(self, name: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,8 @@ class Weights:
             return b.op("Concat", *[self.linear(b, x, name, biases[i] if biases else None)
                                     for i, name in enumerate(names)], axis=-1)
         codes, scales, zero_points, layout, n, k = self._quantized(names)
+        if self.carrier and self.carrier.rounds_activations(names[0]):  # as llama.cpp computes the file's blocks
+            x = q8_k_rounding(b, x)
         extra = [zero_points or "", *([""] + [self._tensor(biases)] if biases else [])]
         while extra and not extra[-1]:
             extra.pop()
