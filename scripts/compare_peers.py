@@ -342,8 +342,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-flags", action="append", default=[], metavar="FLAGS",
                         help="also run llama.cpp with these flags added (repeatable; named `llama.cpp-TYPE FLAGS`): "
                              "its agreement with the plain llama.cpp peer is the noise floor of its own arithmetic")
-    parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values())),
-                        help="GGUF precision (default: the engine's)")
+    parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values()) | {"q4_k_m"}),
+                        help="GGUF precision (default: the engine's; q4_k_m: llama-quantize's K-quant mix)")
     parser.add_argument("--draft-gguf-type", default="q8_0", choices=sorted(set(GGUF_TYPE.values())),
                         help="llama.cpp's drafter precision")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dspark-peers",
