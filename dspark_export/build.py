@@ -79,9 +79,11 @@ def check_options(config: DecoderConfig, backend: str, dtype: str, weights: Weig
             raise DSparkError(f"{option} {chosen.name} needs --backend ort (TensorRT engines keep float weights)")
     if drafter_weights is not None and drafter_weights.bits is None and drafter_weights.name != "fp32":
         raise DSparkError(
-            f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8 or int4"
+            f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8, int4 or w8a8"
         )
-    if weights.bits:
+    if weights.per_channel and dtype != "float32":
+        raise DSparkError("--weights w8a8 computes in float32 between its integer products: use --dtype float32")
+    if weights.blocked:
         bad = [w for w in config.input_widths() if w % weights.block_size]
         if bad:
             raise DSparkError(f"--quant-block-size {weights.block_size} does not divide the input width {bad[0]}")
@@ -92,15 +94,15 @@ REAL_SIZE_HIDDEN = 1024  # every Qwen3, Qwen2.5 and Llama-3.x has at least this 
 
 
 def default_drafter_weights(backend: str, weights: WeightFormat, config: DecoderConfig) -> WeightFormat:
-    """ONNX Runtime: int4 beside an int4 target (a draft call 20-24% cheaper than int8 on the demo, τ unchanged),
-    else int8; TensorRT: float32. At real size in blocks of 128 where they divide the widths: the drafter's numbers
-    never touch losslessness (the target verifies every draft), and MatMulNBits is 1.4-1.7x faster with them than
-    with 32 (Qwen3-1.7B's shapes, 2 AMD EPYC cores with AVX-512 VNNI), while the target keeps the blocks under which
-    ONNX Runtime computes a row alike alone and in a batch on such CPUs (`profiling.one_row_drift` checks)."""
-    name = "fp32" if backend != "ort" else "int4" if weights.name == "int4" else "int8"
+    """ONNX Runtime: the target's own format beside an int4 or w8a8 target (a drafter call scores γ+1 rows, which
+    w8a8's integer products take at nearly the price of one), else int8; TensorRT: float32. At real size in blocks
+    of 128 where they divide the widths: the drafter's numbers never touch losslessness (the target verifies every
+    draft), and MatMulNBits is faster with them than with 32, while the target keeps the blocks under which ONNX
+    Runtime computes a row alike alone and in a batch (`profiling.one_row_drift` checks)."""
+    name = "fp32" if backend != "ort" else weights.name if weights.name in ("int4", "w8a8") else "int8"
     real = config.hidden_size >= REAL_SIZE_HIDDEN and not any(w % DRAFTER_BLOCK for w in config.input_widths())
     return WeightFormat(name, max(weights.block_size, DRAFTER_BLOCK) if real else weights.block_size,
-                        weights.accuracy_level)
+                        weights.accuracy_level, weights.code_max)
 
 
 def with_gamma(source: DrafterSource | None, gamma: int) -> DrafterSource:

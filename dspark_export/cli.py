@@ -39,8 +39,10 @@ def engine_options(command):
             "--weights",
             type=click.Choice(WEIGHT_FORMATS),
             default=None,
-            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default) or block-quantized int8/int4 (a GGUF "
-                 "target's default: its own, Q4_0 and Q8_0 blocks carried over exactly).",
+            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default), block-quantized int8/int4 (a GGUF "
+                 "target's default: its own, Q4_0 and Q8_0 blocks carried over exactly), or w8a8: int8 per output "
+                 "channel with activations quantized per row, whose integer products make verifying several "
+                 "tokens cost little more than one on a CPU (7-bit codes on x86 without VNNI).",
         ),
         click.option(
             "--quant-block-size",
@@ -104,9 +106,11 @@ def draft_vocab_options(command):
 
 
 def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat:
-    """--weights (default: the --dtype's float format) as a WeightFormat."""
+    """--weights (default: the --dtype's float format) as a WeightFormat; w8a8 codes as this CPU sums them exactly."""
+    from dspark_common.cpu import int8_code_max
+
     return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size,
-                        accuracy_level)
+                        accuracy_level, int8_code_max())
 
 
 def weight_formats(text: str) -> list[str]:
@@ -339,7 +343,8 @@ def without_nan(value):
     "--drafter-weights",
     type=click.Choice(WEIGHT_FORMATS),
     default=None,
-    help="Drafter weights (default on ONNX Runtime: int4 beside int4 target weights, else int8; TensorRT: fp32).",
+    help="Drafter weights (default on ONNX Runtime: the target's beside int4 or w8a8 target weights, else int8; "
+         "TensorRT: fp32).",
 )
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(

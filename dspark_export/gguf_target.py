@@ -384,18 +384,18 @@ def quantization_report(checkpoint: GGUFCheckpoint, weights: WeightFormat) -> di
     """What `inspect` says of a GGUF target built in `weights`: its types per kind of matrix, which
     kinds the engine holds exactly (carried blocks, or float weights), and for the others the relative RMS error of
     re-quantizing them (measured on the first tensor of each kind)."""
-    from dspark_export.graphs.weights import quantized_values
+    from dspark_export.graphs.weights import format_values
 
     gguf, exact, requantized = checkpoint.gguf, set(), {}
     for name, tensor in gguf.tensors.items():
         kind = name.split(".")[-2]
         if len(tensor.shape) != 2 or kind in exact or kind in requantized:
             continue
-        if weights.bits is None or checkpoint.carried_layout(name):
+        if weights.bits is None or (weights.blocked and checkpoint.carried_layout(name)):
             exact.add(kind)
             continue
         values = checkpoint.float32(name)
-        error = quantized_values(values, weights.bits, weights.block_size) - values
+        error = format_values(values, weights) - values
         relative = float(np.sqrt((error**2).mean() / (values**2).mean()))
         if relative < EXACT:  # another grid that fits the format's (Q5_0 in int8)
             exact.add(kind)

@@ -44,7 +44,8 @@ def describe_target(spec: TargetSpec, checkpoint: Checkpoint | GGUFCheckpoint | 
         "memory": {
             "dtype": dtype,
             "weights": weights.name,
-            "quant_block_size": weights.block_size if weights.bits else None,
+            "quant_block_size": weights.block_size if weights.blocked else None,
+            "format": str(weights),
             "slots": size.slots,
             "context": size.max_context,
             "weights_bytes": size.weight_bytes,
@@ -80,8 +81,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("embeddings", f"{embeddings}, vocabulary {report['vocab_size']}"),
         ("parameters", human_count(report["parameters"])),
         ("dtype", report["dtype"]),
-        ("engine", f"{memory['dtype']} activations, {memory['weights']} weights"
-                   + (f" in blocks of {memory['quant_block_size']}" if memory["quant_block_size"] else "")),
+        ("engine", f"{memory['dtype']} activations, {memory['format']}"),
         ("memory", memory["line"]),
     ]
     gguf = report["gguf"]

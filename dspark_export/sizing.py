@@ -27,6 +27,10 @@ def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carri
     where a quantized engine carries a checkpoint's quantized matrices (`carrier`: a GGUF's), norms and biases in
     `dtype`."""
     matrices, vectors = config.parameter_counts()
+    if weights.per_channel:  # a byte a weight (a tied embedding twice: rows to gather, columns for the head's
+        # products) and a float32 scale per output channel
+        tied = config.tie_word_embeddings * config.vocab_size * config.hidden_size
+        return matrices + tied + 4 * output_channels(config) + vectors * DTYPE_BYTES[dtype]
     layout = weights.bits and Layout(weights.bits, weights.block_size)
     total = int(matrices * bytes_per_weight(layout, dtype)) + vectors * DTYPE_BYTES[dtype]
     if carrier is not None and layout:
@@ -35,6 +39,14 @@ def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carri
             if carried:
                 total += int(shape[0] * shape[1] * (bytes_per_weight(carried, dtype) - bytes_per_weight(layout, dtype)))
     return total
+
+
+def output_channels(config: DecoderConfig) -> int:
+    """Output channels of the checkpoint's matrices: q/k/v, o, gate/up, down in each layer, the embedding's rows (and
+    an untied LM head's)."""
+    q, kv = (heads * config.head_dim for heads in (config.num_attention_heads, config.num_key_value_heads))
+    layer = q + 2 * kv + 2 * config.hidden_size + 2 * config.intermediate_size
+    return config.num_hidden_layers * layer + config.vocab_size * (1 if config.tie_word_embeddings else 2)
 
 
 @dataclass(frozen=True)

@@ -299,12 +299,9 @@ def cpu_line() -> str:
     """The processor and the vector extensions that decide these kernels' speed."""
     from dspark_runtime.backend import cpu_name
 
-    flags = set()
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        pass
+    from dspark_common.cpu import cpu_flags
+
+    flags = cpu_flags()
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
     return f"{cpu_name()}, {os.cpu_count()} cores, " + " ".join(f for f in wanted if f in flags)
 

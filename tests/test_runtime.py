@@ -486,9 +486,9 @@ def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engi
     assert json.loads(run.stdout.strip().splitlines()[-1])["text"] == expected
 
 
-@pytest.mark.parametrize("weights, accuracy_level", [("int4", 0), ("int8", 0), ("int4", 4)])
+@pytest.mark.parametrize("weights, accuracy_level", [("int4", 0), ("int8", 0), ("int4", 4), ("w8a8", 4)])
 def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
-    """Greedy speculation on a block-quantized engine equals that engine's own target-only output."""
+    """Greedy speculation on a quantized engine equals that engine's own target-only output."""
     from dspark_export.graphs.weights import WeightFormat
 
     target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)

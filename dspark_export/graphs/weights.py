@@ -6,7 +6,10 @@ Formats: `fp32`, `fp16`, `bf16` store the checkpoint's weights in that precision
 `int8` and `int4` quantize them block-wise along the input axis (symmetric, one float scale per block of
 `block_size` weights, the block's largest-magnitude weight mapped to the most negative code so that every code
 is used) for ONNX Runtime's `MatMulNBits` and `GatherBlockQuantized`, whose `accuracy_level` 4 computes in int8
-on CPUs.
+on CPUs. `w8a8` stores int8 weights with one scale per output channel, transposed to [in, out], and quantizes
+each activation row to int8 at run time (one scale per row): the products are integer `MatMulInteger`s through
+ONNX Runtime's packed QGEMM, whose cost barely grows with the rows, and a row computes the same whatever other
+rows share its step.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ ONNX_DTYPES = {
 }
 ALIGN = 64
 FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
-QUANTIZED_BITS = {"int8": 8, "int4": 4}
+QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8}
+PER_CHANNEL = "w8a8"  # the format of per-channel int8 weights and per-row int8 activations
+ACTIVATION_ZERO = 128  # a w8a8 activation code is uint8, its zero at 128 (ONNX Runtime's QGEMM takes u8 x s8)
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
 
@@ -77,19 +82,35 @@ class WeightFormat:
     name: str = "fp32"  # one of WEIGHT_FORMATS
     block_size: int = 32  # weights per quantization block (int8, int4); see `dspark-export build --quant-block-size`
     accuracy_level: int = 4  # MatMulNBits: 4 computes in int8 on CPUs, 0 dequantizes to float
+    code_max: int = 127  # w8a8: the largest weight code, 63 where the CPU's int8 kernel sums pairs in int16
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown weight format {self.name!r} (choose from {', '.join(WEIGHT_FORMATS)})")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--quant-block-size must be a power of two, at least 16 (got {self.block_size})")
+        if self.code_max not in (63, 127):
+            raise ConfigError(f"w8a8 weight codes reach 63 (7 bits) or 127 (8 bits), not {self.code_max}")
 
     @property
     def bits(self) -> int | None:
         return QUANTIZED_BITS.get(self.name)
 
+    @property
+    def per_channel(self) -> bool:
+        """Weights with one scale per output channel and activations quantized per row (`w8a8`), not in blocks."""
+        return self.name == PER_CHANNEL
+
+    @property
+    def blocked(self) -> bool:
+        """Weights quantized in blocks along the input axis (int8, int4)."""
+        return self.bits is not None and not self.per_channel
+
     def __str__(self) -> str:
-        """"int4 weights in blocks of 32", "fp32 weights"."""
+        """"int4 weights in blocks of 32", "w8a8 weights (8-bit codes, ...)", "fp32 weights"."""
+        if self.per_channel:
+            return (f"w8a8 weights ({self.code_max.bit_length() + 1}-bit codes per output channel, activations "
+                    "quantized per row)")
         return f"{self.name} weights" + (f" in blocks of {self.block_size}" if self.bits else "")
 
 
@@ -131,6 +152,28 @@ def quantized_values(rows: np.ndarray, bits: int, block_size: int) -> np.ndarray
         codes = np.stack([codes & 0xF, codes >> 4], -1).reshape(*codes.shape[:-1], -1)
     values = (codes.astype(np.float32) - (1 << (bits - 1))) * scales[..., None]
     return values.reshape(rows.shape)
+
+
+def quantize_channels(rows: np.ndarray, code_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [n, K] -> (int8 codes [n, K], float32 scales [n]): symmetric, one scale per row (an output
+    channel) mapping its largest magnitude to `code_max`; w ≈ code · scale."""
+    scales = np.abs(rows).max(axis=1) / code_max
+    scales[scales == 0] = 1.0
+    codes = np.clip(np.rint(rows / scales[:, None]), -code_max, code_max).astype(np.int8)
+    return codes, scales.astype(np.float32)
+
+
+def channel_quantized_values(rows: np.ndarray, code_max: int) -> np.ndarray:
+    """float32 rows [n, K] as a w8a8 graph computes with them after `quantize_channels`."""
+    codes, scales = quantize_channels(rows, code_max)
+    return codes.astype(np.float32) * scales[:, None]
+
+
+def format_values(rows: np.ndarray, weights: WeightFormat) -> np.ndarray:
+    """float32 rows [n, K] as an engine of the quantized format `weights` computes with them."""
+    if weights.per_channel:
+        return channel_quantized_values(rows, weights.code_max)
+    return quantized_values(rows, weights.bits, weights.block_size)
 
 
 class ExternalData:
@@ -196,6 +239,7 @@ class Weights:
         self.carrier = carrier
         self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
         self.initializers: dict[str, TensorProto] = {}
+        self._row_quantized: dict[tuple[int, str], tuple[str, str]] = {}
 
     @classmethod
     def lend_from(cls, graph_file: Path, read: Reader, dtype: str, weight_format: WeightFormat) -> "Weights":
@@ -212,8 +256,10 @@ class Weights:
                 float_input: bool = True) -> str:
         """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
         lender, theirs = self.lender, self.borrowed[name]
-        keys = [theirs + ".q", theirs + ".scales", theirs + ".zp"] if lender._quantizes(theirs) else [theirs]
-        keys = [key for key in keys if not key.endswith(".zp") or key in lender.initializers]
+        keys = [theirs]
+        if lender._quantizes(theirs):  # codes as products take them and (w8a8) as an embedding gathers them, scales
+            codes = [theirs + part for part in (".q", ".rows") if theirs + part in lender.initializers] or [theirs + ".q"]
+            keys = [*codes, theirs + ".scales", *[theirs + ".zp"][: theirs + ".zp" in lender.initializers]]
         missing = [key for key in keys if key not in lender.initializers]
         if missing:
             raise ConfigError(f"the target graph has no initializer {missing[0]} to share")
@@ -227,7 +273,7 @@ class Weights:
         if self.format.bits is None:
             return False
         width = self.read(name)[0].shape[1]
-        if width % self.format.block_size == 0:
+        if self.format.per_channel or width % self.format.block_size == 0:
             return True
         if self.strict:
             raise ConfigError(
@@ -259,6 +305,8 @@ class Weights:
         biases = [] if bias is None else [bias] if isinstance(bias, str) else list(bias)
         if not self._quantizes(names[0]):
             return b.op("Gemm", x, self._tensor(names), *([self._tensor(biases)] if biases else []), transB=1)
+        if self.format.per_channel:
+            return self._integer_product(b, x, names, biases)
         if len(names) > 1 and len({self._layout_of(name) for name in names}) > 1:  # carried in different layouts
             return b.op("Concat", *[self.linear(b, x, name, biases[i] if biases else None)
                                     for i, name in enumerate(names)], axis=-1)
@@ -278,6 +326,11 @@ class Weights:
             return self._borrow(b, ids, name, lambda lender, ids, theirs: lender.embedding(b, ids, theirs), False)
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
+        if self.format.per_channel:  # rows of the codes, laid out [vocab, hidden] beside a tied head's [hidden, vocab]
+            codes, scales = self._channels([name], rows=True)
+            flat = b.op("Reshape", ids, b.const([-1]))
+            row_scales = b.op("Unsqueeze", b.op("Gather", scales, flat), b.const([-1]))
+            return b.op("Mul", b.op("Cast", b.op("Gather", codes, flat), to=TensorProto.FLOAT), row_scales)
         codes, scales, zero_points, layout, vocab, hidden = self._quantized([name])
         # the codes as MatMulNBits stores them, [vocab, blocks, bytes per block], quantized along their last axis:
         # no reshape of the codes, which ONNX Runtime would fold into a second copy (only the scales get one)
@@ -296,6 +349,56 @@ class Weights:
             self._add(key, np.concatenate([convert(*self.read(name), self.dtype) for name in names]), self.dtype)
             self._done(len(names))
         return key
+
+    def _integer_product(self, b: GraphBuilder, x: str, names: list[str], biases: list[str]) -> str:
+        """x @ W^T in w8a8: x's rows quantized to int8 (`_row_codes`), an integer `MatMulInteger` with the int8
+        weights, then the row's and the output channel's scales (and the bias)."""
+        codes, scales = self._channels(names)
+        row_codes, row_scales = self._row_codes(b, x)
+        product = b.op("MatMulInteger", row_codes, codes, b.const(ACTIVATION_ZERO, np.uint8))
+        y = b.op("Mul", b.op("Mul", b.op("Cast", product, to=TensorProto.FLOAT), scales), row_scales)
+        return b.op("Add", y, self._tensor(biases)) if biases else y
+
+    def _row_codes(self, b: GraphBuilder, x: str) -> tuple[str, str]:
+        """x [.., K] as uint8 codes (zero at `ACTIVATION_ZERO`) and a scale per row [.., 1]: each row's largest
+        magnitude maps to 127. Made once per input and graph, shared by the projections that read it (gate, up)."""
+        key = (id(b), x)
+        if key not in self._row_quantized:
+            peak = b.op("ReduceMax", b.op("Abs", x), b.const([-1]), keepdims=1)
+            scale = b.op("Max", b.op("Div", peak, b.const(127.0, np.float32)),
+                         b.const(np.finfo(np.float32).tiny, np.float32))
+            shifted = b.op("Add", b.op("Round", b.op("Div", x, scale)), b.const(float(ACTIVATION_ZERO), np.float32))
+            self._row_quantized[key] = b.op("Cast", shifted, to=TensorProto.UINT8), scale
+        return self._row_quantized[key]
+
+    def _channels(self, names: list[str], rows: bool = False) -> tuple[str, str]:
+        """The int8 codes and float32 scales [n] of the weights `names` stacked along their outputs, one scale per
+        output channel (`quantize_channels`): codes [K, n] (`MatMulInteger`'s right side, which ONNX Runtime packs
+        at load), or with `rows` [n, K] for gathering rows (an embedding), each stored where first asked for."""
+        key = "+".join(names)
+        codes_name, scales_name = key + (".rows" if rows else ".q"), key + ".scales"
+        if codes_name not in self.initializers:
+            arrays = [self.read(name) for name in names]
+            k = arrays[0][0].shape[1]
+            codes = np.empty((sum(array.shape[0] for array, _ in arrays), k), np.int8)
+            scales, row = [], 0
+            for array, stored in arrays:
+                step = max(1, CHUNK_ELEMENTS // k)
+                for start in range(0, array.shape[0], step):
+                    chunk, chunk_scales = quantize_channels(as_float32(array[start : start + step], stored),
+                                                            self.format.code_max)
+                    codes[row : row + len(chunk)] = chunk
+                    scales.append(chunk_scales)
+                    row += len(chunk)
+            table = codes if rows else codes.T
+            step = max(1, CHUNK_ELEMENTS // table.shape[1])
+            self.initializers[codes_name] = self.store.add_chunks(
+                codes_name, table.shape, "int8",
+                (np.ascontiguousarray(table[start : start + step]) for start in range(0, len(table), step)))
+            if scales_name not in self.initializers:
+                self._add(scales_name, np.concatenate(scales), "float32")
+                self._done(len(names))
+        return codes_name, scales_name
 
     def _layout_of(self, name: str) -> Layout:
         """The layout `name` is stored in: the carrier's own, else the format's."""
