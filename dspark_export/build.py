@@ -119,12 +119,14 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  backend: str = "auto", dtype: str = "float32", cache_slots: int = 8, max_context: int | None = None,
                  max_batch_tokens: int = 256, force: bool = False, show_progress: bool = True,
                  weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,
-                 kv_memory: int | None = None, gamma: int | None = None, draft_vocab: DraftVocab | None = None) -> Path:
+                 kv_memory: int | None = None, gamma: int | None = None, draft_vocab: DraftVocab | None = None,
+                 smooth: bool = False) -> Path:
     """Write the engine directory `out`; returns it. `weights` default to the dtype's float format; the drafter's
     to `default_drafter_weights`. The context defaults to what `kv_memory` holds. `gamma` unrolls
     an EAGLE-3 drafter that many steps a round instead of the γ it was trained with; `draft_vocab` prunes the
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
-    `draft_vocab.default_size` where the drafter's or target's folder holds token counts)."""
+    `draft_vocab.default_size` where the drafter's or target's folder holds token counts). `smooth` applies SmoothQuant
+    to a w8a8 target (`dspark_export.smoothing`; needs torch)."""
     backend = resolve_backend(backend)
     weights = weights or float_weights(dtype)
     check_options(spec.config, backend, dtype, weights, drafter_weights)
@@ -132,9 +134,15 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
+    if smooth and not weights.per_channel:
+        raise DSparkError("--smooth smooths the activations w8a8 quantizes per row: use it with --weights w8a8")
     folder = spec.require_path()
     checkpoint = spec.checkpoint()
     tokenizer = ChatTokenizer.from_dir(folder)
+    if smooth:
+        from dspark_export.smoothing import SmoothedCheckpoint, calibration_prompts
+
+        checkpoint = SmoothedCheckpoint(checkpoint, calibration_prompts(tokenizer))
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
     if gamma is not None:
         source = with_gamma(source, gamma)

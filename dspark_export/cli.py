@@ -352,6 +352,10 @@ def without_nan(value):
     help="EAGLE-3 drafters: steps unrolled per round (default: the γ it was trained with).",
 )
 @draft_vocab_options
+@click.option("--smooth", is_flag=True,
+              help="--weights w8a8: SmoothQuant, for checkpoints whose projections see a few massive input channels "
+                   "(moves their range into the weights, folded into the norms and v/up rows; calibrated with the "
+                   "torch model, which needs the [export] extra).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(
     target,
@@ -371,6 +375,7 @@ def build(
     max_batch_tokens,
     gamma,
     draft_vocab,
+    smooth,
     force,
 ) -> None:
     """Build an engine directory (ONNX graphs, tokenizer, manifest) for the DSpark runtime.
@@ -409,6 +414,7 @@ def build(
         kv_memory=parse_size(kv_memory, "--kv-memory"),
         gamma=gamma,
         draft_vocab=draft_vocab,
+        smooth=smooth,
     )
     click.echo(f"engine written to {engine}")
 

@@ -243,6 +243,7 @@ def serve(connection, kind: str, options: dict) -> None:
 
 class Runner:
     def __init__(self, kind: str, options: dict):
+        self.kind = kind
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         self.process = context.Process(target=serve, args=(child, kind, options), daemon=True)
@@ -351,6 +352,9 @@ def main() -> None:
                         help="the drafter folder the engine was built with (default: its named drafter)")
     parser.add_argument("--reference", default=None,
                         help="the runner whose greedy outputs the others are compared with (default: the first mode)")
+    parser.add_argument("--also-engine", action="append", default=[], metavar="DIR",
+                        help="also run the modes on this engine of the same target (repeatable; modes prefixed with "
+                             "its weight format, e.g. w8a8-async); the peers keep the first engine's precision")
     parser.add_argument("--gguf-engine", action="store_true",
                         help="also run DSpark on an engine built from the GGUF file the llama.cpp peer runs (modes "
                              "prefixed gguf-), to compare outputs and speed on the same quantized weights")
@@ -390,6 +394,9 @@ def main() -> None:
         gguf = gguf_file(args.llama_cpp, model_dir, args.work, gguf_type, model_dir.name)
         engine = gguf_engine(gguf, args.drafter or manifest.drafter_name, args.work)
         runners.append(Runner("dspark", common | {"engine_dir": str(engine), "modes": modes, "prefix": "gguf-"}))
+    for other in args.also_engine:
+        prefix = read_manifest(Path(other)).weights + "-"
+        runners.append(Runner("dspark", common | {"engine_dir": other, "modes": modes, "prefix": prefix}))
     peer_options = common | {"model_dir": model_dir, "precision": precision, "work": args.work,
                              "source": args.llama_cpp, "gguf_type": gguf_type, "repack": args.repack}
     for name in names:
@@ -406,6 +413,7 @@ def main() -> None:
                                                            "label": f"{labels['llama.cpp']} {flags}"}))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
+    ours = [name for runner in runners if runner.kind == "dspark" for name in runner.names]
     reference = args.reference or modes[0]
     if reference not in [name for _, name in order]:
         parser.error(f"--reference {reference}: no runner has that name ({', '.join(name for _, name in order)})")
@@ -450,7 +458,7 @@ def main() -> None:
         "rounds": args.rounds, "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
         "temperature": args.temperature,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
-        "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in modes for name in medians
+        "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in ours for name in medians
                                  if name != mode},
         "by_round": [{k: round(v, 1) for k, v in r.items()} for r in by_round],
     }

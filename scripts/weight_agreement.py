@@ -84,7 +84,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target-path", type=Path, default=None, help="HF checkpoint (default: the bundled demo)")
-    parser.add_argument("--weights", default="int4,w8a8", help="formats to hold against fp32")
+    parser.add_argument("--weights", default="int4,w8a8,w8a8+smooth",
+                        help="formats to hold against fp32 (w8a8+smooth: with SmoothQuant)")
     parser.add_argument("--prompts", type=int, default=10, help="prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--outliers", type=float, default=None, help="make input channels this much larger first")
@@ -97,8 +98,10 @@ def main() -> None:
         spec = resolve_target(None, folder)
     engines = {}
     for name in ["fp32", *args.weights.split(",")]:
+        fmt, _, smooth = name.partition("+")  # w8a8+smooth: SmoothQuant first (`dspark-export build --smooth`)
         engines[name] = build_engine(spec, args.work / name, cache_slots=1, max_context=1024, force=True,
-                                     show_progress=False, weights=WeightFormat(name, code_max=int8_code_max()))
+                                     show_progress=False, weights=WeightFormat(fmt, code_max=int8_code_max()),
+                                     smooth=smooth == "smooth")
     rows = read_prompts(demo_prompts_path(), args.prompts)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}

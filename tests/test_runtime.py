@@ -340,11 +340,16 @@ def test_profile_says_when_its_rounds_were_timed_on_a_busy_machine():
     0.88x `off` at Qwen3-8B's shape where a quiet one gave parity, so `profile` says to measure again."""
     from dspark_runtime.cli import profile_notes
 
-    quiet = {"spread": {"target": 0.06, "drafter": 0.2}, "one_row_drift": 0.0}
-    assert profile_notes(quiet) == []
+    steep = [0.0467 * (1 + 0.31 * b) for b in range(8)]  # the grown 1.7B int4 engine on an AMX Xeon: t(8) 3.2 t(1)
+    quiet = {"spread": {"target": 0.06, "drafter": 0.2}, "one_row_drift": 0.0, "target_seconds": steep}
+    assert profile_notes(quiet) == [] and profile_notes(quiet, "fp32") == [] and profile_notes(quiet, "w8a8") == []
     busy = profile_notes(quiet | {"spread": {"target": 0.32, "drafter": 0.01}})
     assert len(busy) == 1 and "quiet machine" in busy[0]
     assert "--exact-greedy" in profile_notes(quiet | {"one_row_drift": 7.7e-3})[0]
+    costly = profile_notes(quiet, "int4")
+    assert len(costly) == 1 and "3.2 one-token steps with int4" in costly[0] and "--weights w8a8" in costly[0]
+    flat = quiet | {"target_seconds": [0.06 * (1 + 0.04 * b) for b in range(8)]}
+    assert profile_notes(flat, "int4") == []
 
 
 def test_profile_measures_a_one_row_kernel_that_differs(echo_engine_dir):

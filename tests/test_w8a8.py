@@ -29,7 +29,8 @@ def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.n
     tensors = {"w": weight} | ({"b": bias} if bias is not None else {})
     graph_file = tmp_path / "g.onnx"
     store = ExternalData(graph_file)
-    weights = Weights(lambda name: (tensors[name], "float32"), store, "float32", WeightFormat("w8a8", code_max=code_max))
+    weights = Weights(lambda name: (tensors[name], "float32"), store, "float32",
+                      WeightFormat("w8a8", code_max=code_max))
     b = GraphBuilder()
     y = weights.linear(b, "x", "w", "b" if bias is not None else None)
     b.op("Identity", y, name="y")
@@ -111,8 +112,8 @@ def test_the_code_range_follows_how_the_cpu_sums_int8_products(monkeypatch, flag
 
 
 def test_w8a8_needs_float32_activations():
-    from dspark_common.errors import DSparkError
     from dspark_export.build import check_options
+    from dspark_common.errors import DSparkError
 
     with pytest.raises(DSparkError, match="w8a8 computes in float32"):
         check_options(None, "ort", "float16", WeightFormat("w8a8"), None)

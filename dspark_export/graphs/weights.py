@@ -258,7 +258,8 @@ class Weights:
         lender, theirs = self.lender, self.borrowed[name]
         keys = [theirs]
         if lender._quantizes(theirs):  # codes as products take them and (w8a8) as an embedding gathers them, scales
-            codes = [theirs + part for part in (".q", ".rows") if theirs + part in lender.initializers] or [theirs + ".q"]
+            codes = [theirs + part for part in (".q", ".rows") if theirs + part in lender.initializers]
+            codes = codes or [theirs + ".q"]
             keys = [*codes, theirs + ".scales", *[theirs + ".zp"][: theirs + ".zp" in lender.initializers]]
         missing = [key for key in keys if key not in lender.initializers]
         if missing:

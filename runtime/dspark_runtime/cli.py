@@ -381,17 +381,25 @@ def profile(engine_dir, context, rounds, threads) -> None:
                f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request; largest spread between rounds "
                f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
-    for note in profile_notes(curve):
+    for note in profile_notes(curve, engine.manifest.weights):
         click.echo(f"note: {note}")
 
 
 NOISY_SPREAD = 0.25  # rounds that still disagree by more than this after a second measurement: a busy machine
+COSTLY_VERIFICATION = 2.0  # a block-quantized engine verifying 8 tokens at more than this many one-token steps
 
 
-def profile_notes(curve: dict) -> list[str]:
+def profile_notes(curve: dict, weights: str = "fp32") -> list[str]:
     """What `profile` says beyond its figures: rounds timed on a busy machine, a CPU whose lone rows compute
-    otherwise."""
+    otherwise, and a block-quantized engine whose verification costs many plain steps (w8a8's integer products
+    would not)."""
     notes = []
+    target = curve["target_seconds"]
+    cost = target[min(7, len(target) - 1)] / target[0]
+    if weights in ("int4", "int8") and cost > COSTLY_VERIFICATION:
+        notes.append(f"verifying {min(8, len(target))} tokens costs {cost:.1f} one-token steps with {weights} "
+                     "weights here: a `--weights w8a8` build verifies with integer products whose cost barely grows "
+                     "with the tokens (build it beside this one and compare with `dspark-run bench`).")
     if max(curve["spread"].values()) > NOISY_SPREAD:
         notes.append(f"the rounds still disagreed by more than {NOISY_SPREAD:.0%} when measured again: the machine "
                      "was busy. `sync` and `async` decide from these costs; profile again on a quiet machine.")
