@@ -68,13 +68,15 @@ def smoothed_reader(read: Reader, config, peaks: dict[str, np.ndarray]) -> Reade
         attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
         qkv = [attn + f"{n}_proj.weight" for n in "qkv"]
         attention_in = smoothing_factors(peaks[qkv[0]], columns(*qkv))
-        mlp_in = smoothing_factors(peaks[mlp + "gate_proj.weight"], columns(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
+        gate_up = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        mlp_in = smoothing_factors(peaks[gate_up[0]], columns(*gate_up))
         down = smoothing_factors(peaks[mlp + "down_proj.weight"], columns(mlp + "down_proj.weight"))
         per_query = smoothing_factors(peaks[attn + "o_proj.weight"], columns(attn + "o_proj.weight"))
         value = per_query.reshape(kv, group, d).max(1)  # one factor per value channel, shared by its query heads
         scale |= {f"model.layers.{layer}.input_layernorm.weight": (None, attention_in),
                   attn + "q_proj.weight": (attention_in, None), attn + "k_proj.weight": (attention_in, None),
-                  attn + "v_proj.weight": (attention_in, value.reshape(-1)), attn + "v_proj.bias": (None, value.reshape(-1)),
+                  attn + "v_proj.weight": (attention_in, value.reshape(-1)),
+                  attn + "v_proj.bias": (None, value.reshape(-1)),
                   attn + "o_proj.weight": (np.repeat(value[:, None], group, 1).reshape(-1), None),
                   f"model.layers.{layer}.post_attention_layernorm.weight": (None, mlp_in),
                   mlp + "gate_proj.weight": (mlp_in, None), mlp + "up_proj.weight": (mlp_in, down),
@@ -95,7 +97,7 @@ def smoothed_reader(read: Reader, config, peaks: dict[str, np.ndarray]) -> Reade
 
 
 class SmoothedCheckpoint:
-    """A checkpoint whose `raw` tensors are smoothed for w8a8 (`smoothed_reader`); everything else is the checkpoint's."""
+    """A checkpoint whose `raw` tensors are smoothed for w8a8 (`smoothed_reader`); all else is the checkpoint's."""
 
     def __init__(self, checkpoint, prompts: list[list[int]]):
         self._checkpoint = checkpoint

@@ -413,7 +413,7 @@ def main() -> None:
                                                            "label": f"{labels['llama.cpp']} {flags}"}))
     tokenizer = ChatTokenizer.from_dir(engine_dir)
     order = [(runner, name) for runner in runners for name in runner.names]
-    ours = [name for runner in runners if runner.kind == "dspark" for name in runner.names]
+    dspark_names = [name for runner in runners if runner.kind == "dspark" for name in runner.names]
     reference = args.reference or modes[0]
     if reference not in [name for _, name in order]:
         parser.error(f"--reference {reference}: no runner has that name ({', '.join(name for _, name in order)})")
@@ -458,7 +458,7 @@ def main() -> None:
         "rounds": args.rounds, "domains": args.domains, "max_tokens": args.max_tokens, "threads": args.threads,
         "temperature": args.temperature,
         "median_tokens_per_s": {k: round(v, 1) for k, v in medians.items()},
-        "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in ours for name in medians
+        "ratios_within_rounds": {f"{mode}_vs_{name}": ratio(mode, name) for mode in dspark_names for name in medians
                                  if name != mode},
         "by_round": [{k: round(v, 1) for k, v in r.items()} for r in by_round],
     }

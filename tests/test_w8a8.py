@@ -119,3 +119,46 @@ def test_w8a8_needs_float32_activations():
         check_options(None, "ort", "float16", WeightFormat("w8a8"), None)
     with pytest.raises(Exception, match="63 .* or 127"):
         WeightFormat("w8a8", code_max=100)
+
+
+def test_smoothing_keeps_the_function_and_tames_massive_input_channels(tmp_path):
+    """SmoothQuant folded into the norms and the v/up rows: the torch model of the smoothed tensors computes what the
+    checkpoint does, and a channel made 100x larger at q/k/v's input (its norm weight x100, their columns /100) comes
+    back to the others' range there, where w8a8 quantizes each activation row with one scale."""
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import load_file, save_file
+
+    from dspark_export.checkpoint import Checkpoint
+    from dspark_export.config import DecoderConfig
+    from dspark_export.model import DecoderModel
+    from dspark_export.smoothing import SmoothedCheckpoint, activation_peaks
+    from tests.conftest import write_hf_checkpoint
+
+    folder = write_hf_checkpoint(tmp_path / "ckpt", architecture="qwen2")  # q/k/v biases: v's is smoothed too
+    tensors = load_file(folder / "model.safetensors")
+    for layer in (0, 1):
+        tensors[f"model.layers.{layer}.input_layernorm.weight"][3] *= 100
+        for name in "qkv":
+            tensors[f"model.layers.{layer}.self_attn.{name}_proj.weight"][:, 3] /= 100
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    checkpoint = Checkpoint(folder, DecoderConfig.from_dir(folder))
+    prompts = [list(range(1, 40)), list(range(50, 70))]
+    smoothed = SmoothedCheckpoint(checkpoint, prompts)
+    ids = torch.tensor([list(range(5, 30))])
+    with torch.no_grad():
+        expected = DecoderModel.from_checkpoint(checkpoint, "float32")(ids).logits
+        got = DecoderModel.from_checkpoint(smoothed, "float32")(ids).logits
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    spread = lambda peaks: peaks[name].max() / np.median(peaks[name])  # noqa: E731
+    before, after = spread(activation_peaks(checkpoint, prompts)), spread(activation_peaks(smoothed, prompts))
+    assert before > 50 and after < before / 10
+
+
+def test_smoothing_is_refused_without_w8a8(tmp_path):
+    from dspark_export.build import build_engine
+    from dspark_export.presets import resolve_target
+    from dspark_common.errors import DSparkError
+
+    with pytest.raises(DSparkError, match="--smooth .* --weights w8a8"):
+        build_engine(resolve_target("demo"), tmp_path / "e", weights=WeightFormat("int4"), smooth=True)

@@ -257,10 +257,9 @@ class Weights:
         """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
         lender, theirs = self.lender, self.borrowed[name]
         keys = [theirs]
-        if lender._quantizes(theirs):  # codes as products take them and (w8a8) as an embedding gathers them, scales
-            codes = [theirs + part for part in (".q", ".rows") if theirs + part in lender.initializers]
-            codes = codes or [theirs + ".q"]
-            keys = [*codes, theirs + ".scales", *[theirs + ".zp"][: theirs + ".zp" in lender.initializers]]
+        if lender._quantizes(theirs):  # w8a8 lays codes out for products and, apart, for an embedding's gathers
+            codes = ".rows" if lender.format.per_channel and not float_input else ".q"
+            keys = [theirs + codes, theirs + ".scales", *[theirs + ".zp"][: theirs + ".zp" in lender.initializers]]
         missing = [key for key in keys if key not in lender.initializers]
         if missing:
             raise ConfigError(f"the target graph has no initializer {missing[0]} to share")
