@@ -259,7 +259,7 @@ class Weights:
         keys = [theirs]
         if lender._quantizes(theirs):  # w8a8 lays codes out for products and, apart, for an embedding's gathers
             codes = ".rows" if lender.format.per_channel and not float_input else ".q"
-            keys = [theirs + codes, theirs + ".scales", *[theirs + ".zp"][: theirs + ".zp" in lender.initializers]]
+            keys = [theirs + codes, theirs + ".scales"] + [theirs + ".zp"] * (theirs + ".zp" in lender.initializers)
         missing = [key for key in keys if key not in lender.initializers]
         if missing:
             raise ConfigError(f"the target graph has no initializer {missing[0]} to share")
