@@ -42,8 +42,10 @@ BACKENDS = ("auto", *ENGINE_BACKENDS)  # auto: TensorRT where it is installed an
 
 
 def default_engine_dir(target_name: str, drafter_name: str | None) -> Path:
-    """Engines live in the user cache (DSPARK_HOME overrides), one folder per target/drafter pair."""
-    root = Path(os.environ.get("DSPARK_HOME") or Path.home() / ".cache" / "dspark") / "engines"  # empty: unset
+    """Engines live in the user cache ($DSPARK_HOME, else $XDG_CACHE_HOME/dspark, else ~/.cache/dspark), one folder
+    per target/drafter pair."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"  # empty: unset
+    root = Path(os.environ.get("DSPARK_HOME") or Path(cache) / "dspark") / "engines"
     return root / (target_name + (f"-{drafter_name}" if drafter_name else ""))
 
 

@@ -84,7 +84,7 @@ def _open(file: Path):
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise CheckpointError("reading GGUF files needs the gguf package: pip install 'dspark[export]'") from None
+        raise CheckpointError("reading GGUF files needs the gguf package (1.4 MB): pip install gguf") from None
 
     if not file.is_file():
         raise CheckpointError(f"GGUF file {file} does not exist")

@@ -48,7 +48,7 @@ def _browser():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The demo engine (built into a fresh home) behind `dspark-run serve` with an API key, and a browser."""
-    from dspark_export.demo.engine import demo_engine
+    from dspark_export.cached_engines import demo_engine
 
     saved = os.environ.get("DSPARK_HOME")
     os.environ["DSPARK_HOME"] = str(tmp_path_factory.mktemp("home"))

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dspark_common.errors import CheckpointError
+from dspark_common.errors import CheckpointError, ConfigError
 from dspark_export.model_stores import cached_snapshots, hf_cache_roots
+
+if TYPE_CHECKING:
+    from dspark_export.presets import TargetSpec
 
 BUNDLED_PREFIX = "demo-"
 DEMO_DRAFTER = "demo-dspark"  # the demo's default drafter
@@ -25,6 +29,24 @@ def bundled_drafters() -> list[str]:
 def default_drafter(target_name: str) -> str | None:
     """The drafter a target gets unless told otherwise: demo-dspark for the demo (when installed), else none."""
     return DEMO_DRAFTER if target_name == "demo" and DEMO_DRAFTER in bundled_drafters() else None
+
+
+def matching_drafter(spec: TargetSpec) -> str | None:
+    """The bundled drafter trained for this target (its shapes and tokenizer), whatever file the target came in:
+    the demo's default first; None when none fits."""
+    from dspark_common.tokenizer import ChatTokenizer
+    from dspark_export.drafters.config import DrafterConfig
+
+    if spec.path is None:
+        return None
+    vocab_hash = ChatTokenizer.from_dir(spec.path).vocab_hash()
+    for name in sorted(bundled_drafters(), key=lambda name: name != DEMO_DRAFTER):
+        try:
+            DrafterConfig.from_dir(bundled_root() / name).check_target(spec.config, vocab_hash)
+        except ConfigError:
+            continue
+        return name
+    return None
 
 
 def resolve_drafter(name_or_path: str) -> Path:

@@ -14,9 +14,15 @@ EXTRAS = {"torch": "export", "matplotlib": "export", "starlette": "serve", "uvic
           "polygraphy": "trt", "triton": "trt"}  # optional module -> the extra that installs it
 
 
+class OneLineUsageError(click.ClickException):
+    """A usage error as one `Error:` line, with a usage error's exit status."""
+
+    exit_code = 2
+
+
 class DSparkGroup(click.Group):
-    """A click group whose commands report DSparkError as one line (set DSPARK_DEBUG=1 for the traceback), as
-    they do a missing optional package (naming the extra that installs it), and that answers `--version`."""
+    """A click group whose commands report usage errors and DSparkError as one line (DSPARK_DEBUG=1: the traceback),
+    as they do a missing optional package (naming the extra that installs it), and that answers `--version`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -25,6 +31,11 @@ class DSparkGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # click's own is four lines: usage, a hint, a blank, the error
+            if os.environ.get("DSPARK_DEBUG"):
+                raise
+            where = exc.ctx.command_path if exc.ctx else ctx.command_path
+            raise OneLineUsageError(f"{exc.format_message()} (`{where} --help` lists the options)") from None
         except DSparkError as exc:
             if os.environ.get("DSPARK_DEBUG"):
                 raise

@@ -42,19 +42,21 @@ class ChatSession:
             turns = turns[2:]  # drop the oldest user/assistant pair
 
     def send(self, user_text: str) -> Iterator[Delta]:
-        """Stream the reply; the turn joins the history when it completes (also when interrupted)."""
+        """Stream the reply; the turn joins the history when the reply completes (an interrupted one leaves no trace
+        that the next turn would read as the model's answer)."""
         request = self.engine.submit(self.prompt_for(user_text), self.params, self.spec, truncate=True)
         self.dropped_tokens = request.dropped_tokens
-        text = []
+        text, complete = [], False
         try:
             for delta in request:
                 text.append(delta.text)
                 yield delta
+            complete = True
         finally:
             if not request.done:
                 request.cancel()
                 request.wait(10)  # the step loop ends it within a step: its figures are final then
-            if not self.completion:
+            if complete and not self.completion:
                 self.history += [
                     {"role": "user", "content": user_text},
                     {"role": "assistant", "content": "".join(text)},

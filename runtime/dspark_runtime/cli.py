@@ -14,6 +14,7 @@ from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
 if TYPE_CHECKING:
     from dspark_runtime.engine import Completion, Engine
     from dspark_runtime.output import Delta
+    from dspark_common.sampling import SamplingParams
 
 
 def shared_pool() -> bool:
@@ -22,8 +23,8 @@ def shared_pool() -> bool:
 
 
 def engine_options(command):
-    """ENGINE_DIR (default: the bundled demo), --threads and --exact-greedy, shared by every command that loads an
-    engine (--exact-greedy reaches `load_engine` through click's context)."""
+    """ENGINE (default: the bundled demo), --drafter, --threads and --exact-greedy, shared by every command that loads
+    an engine (--drafter and --exact-greedy reach `load_engine` through click's context)."""
     command = click.option("--threads", type=click.IntRange(min=1), default=None,
                            help="ONNX Runtime threads (default: all cores).")(command)
     command = click.option(
@@ -31,25 +32,42 @@ def engine_options(command):
         callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
         help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
              "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more.")(command)
-    return click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True))(command)
+    command = click.option(
+        "--drafter", default=None, expose_value=False,
+        callback=lambda ctx, param, value: ctx.meta.__setitem__("drafter", value),
+        help="With a model file: the drafter to build its engine with (a bundled name such as demo-dspark, or a "
+             "folder; default: a bundled one trained for that model, else plain decoding).")(command)
+    return click.argument("engine_dir", metavar="[ENGINE]", required=False)(command)
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with -p: the reply).")
 
 
 def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engine:
-    """The engine a command runs, on the thread pool `shared_pool` says: ENGINE_DIR, or the bundled demo's, which the
-    exporter builds on first use (the runtime's one call into the exporter)."""
+    """The engine a command runs, on the thread pool `shared_pool` says. ENGINE is an engine folder, or a model the
+    exporter builds an engine of on first use (the runtime's one call into the exporter): a GGUF file, a store name
+    (ollama:NAME, lmstudio:ORG/REPO, hf:ORG/REPO), a Hugging Face model folder; none is the bundled demo."""
+    from pathlib import Path
+
+    from dspark_common.engine_dir import MANIFEST
     from dspark_runtime.backend import OrtBackend
     from dspark_runtime.engine import Engine
 
-    if engine_dir is None:
-        from dspark_export.demo.engine import demo_engine
+    context = click.get_current_context(silent=True)
+    meta = context.meta if context else {}
+    drafter = meta.get("drafter")
+    if engine_dir is None and drafter is None:
+        from dspark_export.cached_engines import demo_engine
 
         engine_dir = demo_engine()
-    context = click.get_current_context(silent=True)
-    exact = bool(context and context.meta.get("exact_greedy"))
-    return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()), exact_greedy=exact, **options)
+    elif engine_dir is None or not (Path(engine_dir).expanduser() / MANIFEST).is_file():
+        from dspark_export.cached_engines import model_engine
+
+        engine_dir = model_engine(engine_dir, drafter)
+    elif drafter is not None:
+        raise click.UsageError(f"{engine_dir} is a built engine with its drafter; --drafter is for a model file")
+    return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()),
+                       exact_greedy=bool(meta.get("exact_greedy")), **options)
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -117,6 +135,28 @@ def painted(delta: Delta, decode, colour: bool) -> str:
     return "".join(click.style(text, fg=DRAFT_COLOUR) if drafted else text for text, drafted in delta.spans(decode))
 
 
+def banner(engine: Engine, params: SamplingParams, spec: str | None) -> str:
+    """What a chat or server runs, as llama.cpp states it at start: model and weights, drafter, speculation mode,
+    context and slots, and the sampling defaults a request gets."""
+    m = engine.manifest
+    drafter = f"drafter {m.drafter_name} (γ {m.gamma})" if m.drafter else "no drafter"
+    if params.temperature == 0:
+        sampling = "greedy"
+    else:
+        sampling = f"temperature {params.temperature:g}, top-p {params.top_p:g}" + \
+            (f", top-k {params.top_k}" if params.top_k else "") + (f", min-p {params.min_p:g}" if params.min_p else "")
+    return (f"{m.target_name} ({m.weights} weights), {drafter}, speculation {engine.speculation(spec)}; "
+            f"context {m.max_context} tokens x {m.cache_slots} slot(s); sampling: {sampling} (--temp etc. change it)")
+
+
+def readable_stats(reply: Completion | None) -> str:
+    """/stats: the last reply's figures, one per line, rounded."""
+    if reply is None:
+        return "(no reply yet)"
+    return "\n".join(f"{name:22s} {value:.3g}" if isinstance(value, float) else f"{name:22s} {value}"
+                      for name, value in stats_json(reply).items())
+
+
 def stats_json(reply: Completion | None) -> dict:
     """A reply's figures, its token count and finish reason, as `--json` and /stats print them."""
     if reply is None:
@@ -125,7 +165,7 @@ def stats_json(reply: Completion | None) -> dict:
 
 
 CHAT_HELP = """/clear  forget the conversation
-/stats  the last reply's figures (JSON)
+/stats  the last reply's figures
 /help   this list
 /exit   quit (also /quit, /bye, Ctrl+D)
 Ctrl+C stops a reply; at an empty prompt it says how to quit."""
@@ -191,6 +231,7 @@ def chat(
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     with load_engine(engine_dir, threads) as engine:
+        engine.speculation(spec)
         params = engine.default_params(max_tokens=max_tokens, seed=seed, stop=tuple(stop),
                                        repetition_penalty=repeat_penalty, temperature=temperature, top_k=top_k,
                                        top_p=top_p, min_p=min_p)
@@ -209,6 +250,7 @@ def chat(
                 click.echo()
                 click.echo(summary_line(session.last, engine.speedup_estimate(session.last.stats)), err=True)
             return
+        click.echo(banner(engine, params, spec), err=True)
         _repl(session, show, DEMO_PROMPT if engine_dir is None else None)
 
 
@@ -258,7 +300,7 @@ def _repl(session, show: _Shown, suggestion: str | None) -> None:
             click.echo("(conversation cleared)", err=True)
             continue
         if command == "/stats":
-            click.echo(json.dumps(stats_json(session.last)), err=True)
+            click.echo(readable_stats(session.last), err=True)
             continue
         if command in ("/help", "/?"):
             click.echo(CHAT_HELP, err=True)
@@ -460,14 +502,16 @@ def serve(engine_dir, host, port, spec, model_name, allow_host, api_key, max_bod
       client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
       client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
     """
-    from dspark_runtime.server import ServerOptions, serve as run_server
+    from dspark_runtime.server import ServerOptions, listening_socket, serve as run_server
 
     limit = parse_size(max_body, "--max-body")
-    with load_engine(engine_dir, threads) as engine:
+    sock = listening_socket(host, port)
+    with sock, load_engine(engine_dir, threads) as engine:
+        click.echo(banner(engine, engine.default_params(), spec), err=True)
         options = ServerOptions(model_name or engine.folder.name, spec, host, tuple(allow_host), api_key, limit)
         shown = f"[{host}]" if ":" in host else host
         click.echo(f"web chat: http://{shown}:{port}/  (the OpenAI API under /v1)", err=True)
-        run_server(engine, options, port)
+        run_server(engine, options, sock)
 
 
 if __name__ == "__main__":

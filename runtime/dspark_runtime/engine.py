@@ -41,7 +41,7 @@ from dspark_common.tokenizer import ChatTokenizer, TokenizerError, chat_messages
 Prompt = str | list[int] | list[dict[str, Any]]
 
 
-QUICK_PROFILE_ROUNDS = 3  # on load: about 4 s for the demo on 2 cores (`dspark-run profile` takes 5 rounds)
+QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
 
 @dataclass(frozen=True)
 class Completion:
@@ -186,7 +186,7 @@ class Engine:
         does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
         (`dspark-run profile` reports it: ONNX Runtime's attention everywhere, its int4 kernels on AVX2 without VNNI
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
-        steps cost (1.37x a one-token step at Qwen3-1.7B's shape on an AVX2 CPU).
+        steps cost (docs/benchmarks.md has the figure).
         """
         folder = Path(path)
         manifest = read_manifest(folder)
@@ -302,6 +302,20 @@ class Engine:
         return curve
 
     # ---- submission -----------------------------------------------------------------------------
+    def speculation(self, spec: str | None) -> SpecMode:
+        """The mode `spec` names on this engine (None: its default), or `InvalidRequestError` saying why it cannot
+        run here (unknown, K beyond γ, drafting without a drafter, scheduling without a speed curve)."""
+        if spec is not None and not isinstance(spec, str):
+            raise InvalidRequestError(f"spec must be a string such as 'async' or 'fixed:4', not {type(spec).__name__}")
+        mode = SpecMode.parse(spec, self.gamma, scheduled=self.has_speed_curve)
+        if mode.drafting and not self.gamma:
+            raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
+        if mode.kind in ("sync", "async") and not self.has_speed_curve:
+            raise InvalidRequestError(
+                f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first"
+            )
+        return mode
+
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, spec: str | None = None,
                truncate: bool = False, stream: bool = True) -> Request:
         """Queue a request; it starts as soon as a cache slot is free. `stream=False` delivers its text in one
@@ -312,18 +326,10 @@ class Engine:
         params = self.default_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
-        if spec is not None and not isinstance(spec, str):
-            raise InvalidRequestError(f"spec must be a string such as 'async' or 'fixed:4', not {type(spec).__name__}")
         invalid = [t for t in params.stop_token_ids if t >= self.manifest.vocab_size]
         if invalid:
             raise InvalidRequestError(f"stop_token_ids must lie in [0, {self.manifest.vocab_size}) (got {invalid[0]})")
-        mode = SpecMode.parse(spec, self.gamma, scheduled=self.has_speed_curve)
-        if mode.drafting and not self.gamma:
-            raise InvalidRequestError(f"spec={mode} needs an engine with a drafter; this one is target-only")
-        if mode.kind in ("sync", "async") and not self.has_speed_curve:
-            raise InvalidRequestError(
-                f"spec={mode} needs {HARDWARE_CURVE}: run `dspark-run profile` on this engine first"
-            )
+        mode = self.speculation(spec)
         ids = self._encode(prompt)
         limit, whole = self.manifest.max_context - 1, len(ids)
         if whole > limit:

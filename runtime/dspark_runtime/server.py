@@ -19,7 +19,9 @@ step loop. Built for a desktop where any web page the user opens can reach loopb
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -432,12 +434,31 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def serve(engine: Engine, options: ServerOptions, port: int) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn shuts down gracefully), then stop the engine."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, taken before the engine loads; a port in use (or an address this machine
+    lacks) is one error naming what to change."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise DSparkError(f"port {port} on {host} is in use (another server?); choose another with --port") \
+                from None
+        raise DSparkError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host") from None
+    return sock
+
+
+def serve(engine: Engine, options: ServerOptions, sock: socket.socket) -> None:
+    """Serve on `sock` (from `listening_socket`) until SIGINT/SIGTERM (uvicorn shuts down gracefully)."""
     try:
         import uvicorn
     except ImportError:
         raise MissingDependencyError(
             "dspark-run serve needs starlette and uvicorn: pip install 'dspark[serve]'"
         ) from None
-    uvicorn.run(create_app(engine, options), host=options.host, port=port, log_level="info")
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info"))
+    server.run(sockets=[sock])

@@ -17,7 +17,8 @@ class SpecMode:
     @classmethod
     def parse(cls, text: str | None, default_block: int, scheduled: bool = False) -> "SpecMode":
         """`off`, `fixed:K`, `sync`, `async`. None: `async` when the engine can schedule (a drafter and a speed
-        curve: it drafts only when that pays), else fixed at the drafter's γ, or off without a drafter."""
+        curve: it drafts only when that pays), else fixed at the drafter's γ, or off without a drafter. `fixed:K`
+        beyond γ (`default_block`) is refused."""
         if text is None:
             if not default_block:
                 return cls("off")
@@ -32,6 +33,11 @@ class SpecMode:
                 raise InvalidRequestError(f"fixed:K needs an integer K, got {value!r}") from None
             if drafts < 0:
                 raise InvalidRequestError("fixed:K needs K >= 0")
+            if default_block and drafts > default_block:
+                raise InvalidRequestError(
+                    f"fixed:{drafts} asks for more drafts than this engine's drafter makes a round (γ = "
+                    f"{default_block}); use fixed:1 to fixed:{default_block}"
+                )
             return cls("fixed", drafts)
         return cls(kind)
 
