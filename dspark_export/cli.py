@@ -50,8 +50,9 @@ def engine_options(command):
             default=32,
             show_default=True,
             help="Weights per quantization block (int8, int4). ONNX Runtime computes a token alone and in a batch "
-                 "alike with 32 on AVX-512 VNNI CPUs, with 16 on AVX2 ones (`dspark-run profile` checks): larger "
-                 "blocks are faster but can break greedy identity between modes.",
+                 "alike with 32 on AVX-512 VNNI CPUs, at no size on AVX2 ones without VNNI (there, `dspark-run "
+                 "--exact-greedy`; `dspark-run profile` checks): larger blocks are faster but can break greedy "
+                 "identity between modes.",
         ),
         click.option(
             "--accuracy-level",
@@ -337,7 +338,9 @@ def without_nan(value):
 @click.option(
     "--out", type=click.Path(file_okay=False), default=None, help="Engine directory (default: the user cache)."
 )
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="ort: ONNX graphs for ONNX Runtime. trt also writes TensorRT engines (needs a GPU and the [trt] "
+                   "extra), which no DSpark runtime reads yet: dspark-run runs the ONNX graphs beside them.")
 @engine_options
 @click.option(
     "--drafter-weights",

@@ -7,8 +7,8 @@ Each file is one eval run over several drafters (the first drafter is the refere
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def rows_of(file: str) -> tuple[float, list[dict]]:
@@ -18,13 +18,16 @@ def rows_of(file: str) -> tuple[float, list[dict]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="`dspark-export eval --json` outputs, one table block each")
+    files = parser.parse_args().files
     print(
         "| T | drafter | "
         + " | ".join(["code", "math", "chat", "macro", "first-position acceptance", "τ(first listed) / τ (macro)"])
         + " |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for file in sys.argv[1:]:
+    for file in files:
         temperature, results = rows_of(file)
         reference = results[0]
         for result in results:

@@ -5,8 +5,5 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 python3 -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device visible to torch'" \
   || { echo "gpu_check: needs an NVIDIA GPU with torch (CUDA build) and triton installed" >&2; exit 2; }
-# the plugins folder is the dspark_plugins package; make it importable without installing DSpark
-shim="$(mktemp -d)"
-trap 'rm -rf "$shim"' EXIT
-ln -s "$root/plugins" "$shim/dspark_plugins"
-PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 "$root/scripts/gpu_check.py" "$@"
+# plugins/ holds the dspark_plugins package: importable from there without installing DSpark
+PYTHONPATH="$root/plugins${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 "$root/scripts/gpu_check.py" "$@"

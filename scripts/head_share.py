@@ -56,7 +56,7 @@ def median_ms(session, feeds: dict, repeats: int) -> float:
 def main() -> None:
     import onnxruntime as ort
 
-        from dspark_export.drafters.bundled import resolve_drafter
+    from dspark_export.drafters.bundled import resolve_drafter
     from dspark_export.drafters.draft_vocab import DraftVocab, with_draft_vocab
     from dspark_export.graphs.drafter import build_drafter_onnx
     from dspark_export.graphs.weights import WeightFormat

@@ -123,3 +123,37 @@ def test_sample_outputs_are_what_the_commands_print_today():
             assert [a for a, _ in kept] == [b for _, b in kept]
             checked += 1
     assert checked
+
+
+def test_the_readme_python_example_prints_both_replies(tmp_path, monkeypatch, capsys):
+    """The README's Python block, run as written: `generate` and `stream` each print text."""
+    (code,) = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.M | re.S)
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    printed = capsys.readouterr().out
+    answer = scope["out"].text
+    assert answer.strip() and printed.startswith(answer)
+    assert printed[len(answer):].split("\n", 1)[1].strip()  # the streamed reply, after generate's line
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens and underscores dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_pages_resolves():
+    """README.md's and docs/'s links to files of the repository name files that exist, and headings that do."""
+    dangling = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file = (page.parent / target).resolve() if target else page
+            if not file.exists():
+                dangling.append(f"{page.name}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", file.read_text(encoding="utf-8"), re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    dangling.append(f"{page.name}: {target}#{anchor}")
+    assert dangling == []

@@ -18,8 +18,8 @@ from dspark_export.demo.corpus import build_corpus, read_jsonl, DOMAINS
 from dspark_export.presets import demo_dir
 from dspark_common.prompts import demo_prompts_path
 
-# Sized by measurement on the 2-core dev box (see README, "The demo target"): fp32 training there runs
-# S 5.3M params at 1.8k tok/s, M 13.5M at 0.87k, L 29M at 0.48k; M verifies 8 tokens for 1.42x one token.
+# Sized by measurement on a 2-core CPU (docs/demo-target.md): the middle of three sizes tried, small enough to train
+# there in minutes, large enough that verifying 8 tokens costs visibly more than one.
 DEMO_CONFIG = DecoderConfig(
     vocab_size=8192,
     hidden_size=384,

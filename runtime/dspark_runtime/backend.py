@@ -5,8 +5,8 @@ The target and the drafter run one after the other on the same cores. With their
 safe beside other ONNX Runtime sessions in the same process) each pool spins during its run and stops the
 moment the run returns (`session.force_spinning_stop`), so the two never fight over the cores; every run
 then pays a wake-up. With `shared_pool` both sessions use the process's one pool (ONNX Runtime's global
-thread pool) and keep spinning between runs: on the demo int4 engine (2 cores, code prompts, greedy) `off`
-1372 -> 1525 tok/s and `fixed:3` 1055 -> 1137 tok/s. Its cost: every ONNX Runtime session the process creates
+thread pool) and keep spinning between runs, which is faster (docs/benchmarks.md, "Thread pools"). Its cost:
+every ONNX Runtime session the process creates
 afterwards must set `use_per_session_threads = False`, and the first engine loaded sets the pool's size.
 The `dspark-run` commands use the shared pool (`DSPARK_THREAD_POOL=session` turns it off).
 """
@@ -167,13 +167,13 @@ class OrtBackend:
         return target, drafter
 
     def machine(self) -> dict[str, Any]:
-        """What a speed curve depends on besides the engine: the processor, its cores, the threads and their pool
-        (the process's shared pool keeps spinning between runs: a step costs less), the runtime."""
+        """What a speed curve depends on besides the engine: the processor, its cores, the threads, the runtime.
+        Not the thread pool: the shared one saves each run a wake-up, a small constant the schedule does not turn
+        on, so the CLI (shared) and the Python API (per-session) keep one curve."""
         import onnxruntime
 
         return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": self.thread_count,
-                "thread_pool": "shared" if self.shared_pool else "per-session", "provider": self.providers[0],
-                "onnxruntime": onnxruntime.__version__}
+                "provider": self.providers[0], "onnxruntime": onnxruntime.__version__}
 
 
 def cpu_name() -> str:
