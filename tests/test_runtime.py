@@ -354,20 +354,22 @@ def test_profile_says_when_its_rounds_were_timed_on_a_busy_machine():
 def test_profile_measures_a_one_row_kernel_that_differs(echo_engine_dir):
     """A target that computes a token alone otherwise than in a batch (as ONNX Runtime's int4 kernels do on AVX2
     without VNNI) is caught by `one_row_drift`, which `dspark-run profile` reports."""
+    from dspark_common.engine_dir import read_manifest
     from dspark_runtime.profiling import one_row_drift
 
-    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
-        core, run = engine.core, engine.core.target.run
-        assert one_row_drift(core, 4) == 0.0
+    manifest = read_manifest(echo_engine_dir)
+    target, _ = OrtBackend(threads=1).open(echo_engine_dir, manifest)
+    run = target.run
+    assert one_row_drift(target, manifest, 4) == 0.0
 
-        def one_row_differs(batch):
-            outputs = dict(run(batch))
-            if len(batch.input_ids) == 1:
-                outputs["logits"] = outputs["logits"] + np.float32(1e-3)
-            return outputs
+    def one_row_differs(batch):
+        outputs = dict(run(batch))
+        if len(batch.input_ids) == 1:
+            outputs["logits"] = outputs["logits"] + np.float32(1e-3)
+        return outputs
 
-        core.target.run = one_row_differs
-        assert one_row_drift(core, 4) == pytest.approx(1e-3, rel=1e-2)
+    target.run = one_row_differs
+    assert one_row_drift(target, manifest, 4) == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves(echo_engine_dir, tmp_path):
@@ -622,3 +624,20 @@ def test_one_speed_curve_serves_every_entry_point(tmp_path, capfd):
                           text=True)
     assert chat.returncode == 0 and "profiling" not in chat.stderr, chat.stderr
     assert (folder / "hardware_curve.json").read_bytes() == curve
+
+
+def test_profiling_while_a_request_streams_leaves_its_text_alone(echo_engine_dir):
+    """`Engine.profile` from another thread while a request streams: it waits for the slots to empty (its timed calls
+    write every slot's cache), the request's text is what it is alone, and a request sent meanwhile runs after."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    with Engine.load(echo_engine_dir, OrtBackend(threads=1)) as engine:
+        alone = engine.generate(PROMPTS[3], params, spec="fixed:3").text
+        deltas = iter(engine.submit(PROMPTS[3], params, spec="fixed:3"))
+        text, curves = [next(deltas).text], []
+        profiler = threading.Thread(target=lambda: curves.append(engine.profile(context=8, rounds=1)))
+        profiler.start()
+        text += [delta.text for delta in deltas]
+        later = engine.submit(PROMPTS[3], params, spec="fixed:3")
+        profiler.join(60)
+        assert "".join(text) == alone and later.result().text == alone
+        assert curves and len(curves[0]["target_seconds"]) >= 1 and engine.has_speed_curve

@@ -415,7 +415,7 @@ def profile(engine_dir, context, rounds, threads) -> None:
     from dspark_runtime.profiling import decode_tokens, target_sizes
 
     with load_engine(engine_dir, threads, profile=False) as engine:
-        total = len(target_sizes(decode_tokens(engine.core))) + (engine.manifest.cache_slots if engine.gamma else 0)
+        total = len(target_sizes(decode_tokens(engine.manifest))) + (engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size") as bar:
             curve = engine.profile(context, rounds, lambda graph, n: bar.update())
     target, spread = curve["target_seconds"], curve["spread"]

@@ -80,6 +80,49 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
+    # ---- what the engine reads and sets (between steps, on the loop's thread) ------------------------------
+    @property
+    def curve(self) -> SpeedCurve | None:
+        return self.drafting.curve
+
+    def set_curve(self, curve: SpeedCurve | None) -> None:
+        self.drafting.set_curve(curve)
+
+    @property
+    def sts(self) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """The STS fits in use, by sampling temperature (a copy)."""
+        return dict(self.drafting.sts or {})
+
+    def set_sts(self, sts: dict[float, tuple[np.ndarray, np.ndarray]] | None) -> None:
+        self.drafting.sts = sts
+
+    def set_draft_gate(self, enabled: bool) -> None:
+        self.drafting.draft_gate = enabled
+
+    def gate_steps(self) -> dict[str, int]:
+        """The draft gate's decisions so far, by kind (a copy)."""
+        return dict(self.drafting.gate_steps)
+
+    def load(self) -> dict[str, int]:
+        """Requests running and waiting for a slot, and slots free (a snapshot)."""
+        return {"active": len(self.active), "waiting": len(self.waiting), "free_slots": len(self.slots.free),
+                "slots": self.slots.total}
+
+    @property
+    def drafter(self) -> GraphRunner | None:
+        return self.drafting.drafter
+
+    def fail_all(self, exc: Exception) -> list[Sequence]:
+        """An engine fault: every request in flight or waiting ends "error" with it, its slot freed."""
+        failed = list(self.active) + list(self.waiting)
+        for sequence in failed:
+            sequence.error = DSparkError(f"engine step failed: {exc}")
+            self.finish(sequence, "error")
+        for sequence in list(self.active):
+            self.release(sequence)
+        self.waiting.clear()
+        return failed
+
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One step for every active request; returns the requests that got tokens or finished."""

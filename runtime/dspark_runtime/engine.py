@@ -166,6 +166,7 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._inbox: list[Sequence] = []
         self._changes: list[Callable[[EngineCore], None]] = []  # from callers, applied by the loop between steps
+        self._exclusive: list[Callable[[EngineCore], None]] = []  # run by the loop when no request holds a slot
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._closed = False
@@ -222,13 +223,13 @@ class Engine:
     @property
     def has_speed_curve(self) -> bool:
         """Whether the engine is profiled, which `sync` and `async` need."""
-        return self.core.drafting.curve is not None
+        return self.core.curve is not None
 
     def speedup_estimate(self, stats: RequestStats) -> float | None:
         """What a request gained against the target alone by the speed curve: τ·t(1) over the cost of its mean step,
         t(1 + drafts verified per step) plus the drafter's call on the steps that verified drafts. Overheads outside
         the graphs are left out on both sides. None for an engine not profiled or a request without steps."""
-        curve = self.core.drafting.curve
+        curve = self.core.curve
         if curve is None or not stats.steps:
             return None
         sizes = np.arange(1, len(curve.target_seconds) + 1)
@@ -244,13 +245,13 @@ class Engine:
         """Steps of `sync`/`async` requests so far, by the draft gate's decision: "draft" (their survivals say it
         pays), "probe" (a request looks again), "plain" (nothing drafted); and "free": steps that verified free
         drafts (`dspark_runtime.ngram`)."""
-        return dict(self.core.drafting.gate_steps)
+        return self.core.gate_steps()
 
     def status(self) -> dict[str, int]:
         """Requests running and queued, and cache slots free (all of them when idle)."""
         with self._lock:
-            return {"active": len(self.core.active), "waiting": len(self.core.waiting) + len(self._inbox),
-                    "free_slots": len(self.core.slots.free), "slots": self.core.slots.total}
+            load = self.core.load()
+            return load | {"waiting": load["waiting"] + len(self._inbox)}
 
     def finish_reasons(self) -> dict[str, int]:
         """How many requests have ended so far, by finish reason ("stop", "length", "cancelled", "error")."""
@@ -280,26 +281,54 @@ class Engine:
     @property
     def calibration(self) -> dict[float, tuple[np.ndarray, np.ndarray]]:
         """The STS fits in use: (temperatures, offsets) per draft position, by the sampling temperature fitted at."""
-        return dict(self.core.drafting.sts or {})
+        return self.core.sts
 
     def set_calibration(self, reports: dict[float, dict]) -> None:
         """Use these STS fits (calibration reports by sampling temperature) from the next step on."""
         sts = sts_by_temperature(reports) or None
-        self._change(lambda core: setattr(core.drafting, "sts", sts))
+        self._change(lambda core: core.set_sts(sts))
 
     def set_draft_gate(self, enabled: bool) -> None:
         """`sync`/`async` skip drafting when it would not pay (the default); False drafts every step, as in the
         paper (from the next step on)."""
-        self._change(lambda core: setattr(core.drafting, "draft_gate", enabled))
+        self._change(lambda core: core.set_draft_gate(enabled))
 
     def profile(self, context: int = 256, rounds: int = 5, progress=None) -> dict:
-        """Measure the speed curve in `rounds` interleaved rounds, write hardware_curve.json and use it (call while
-        the engine is idle)."""
+        """Measure the speed curve in `rounds` interleaved rounds, write hardware_curve.json and use it. It runs on
+        the step loop once no request holds a cache slot (the timed calls write every slot's cache): requests
+        running finish first, and ones submitted meanwhile wait until it is done."""
         from dspark_runtime.profiling import profile
 
-        curve = profile(self.core, self.folder, self.machine, context, rounds, progress)
-        self.core.drafting.set_curve(SpeedCurve.from_json(curve))
-        return curve
+        def measure(core: EngineCore) -> dict:
+            curve = profile(core.target, core.drafter, self.manifest, self.folder, self.machine, context, rounds,
+                            progress)
+            core.set_curve(SpeedCurve.from_json(curve))
+            return curve
+
+        return self._when_idle(measure)
+
+    def _when_idle(self, work: Callable[[EngineCore], Any]) -> Any:
+        """`work(core)` on the loop's thread with no request in a slot (new ones held back until it returns);
+        its result, or its exception raised here."""
+        done, outcome = threading.Event(), {}
+
+        def run(core: EngineCore) -> None:
+            try:
+                outcome["value"] = work(core)
+            except BaseException as exc:  # handed to the caller, not the loop
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        with self._lock:
+            if self._closed:
+                raise DSparkError("the engine has been shut down")
+            self._exclusive.append(run)
+            self._work.notify()
+        done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     # ---- submission -----------------------------------------------------------------------------
     def speculation(self, spec: str | None) -> SpecMode:
@@ -413,32 +442,27 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._changes or self.core.busy or self._closed):
+                while not (self._inbox or self._changes or self._exclusive or self.core.busy or self._closed):
                     self._work.wait()
-                if self._closed and not self.core.busy and not self._inbox:
+                if self._closed and not self.core.busy and not self._inbox and not self._exclusive:
                     return
                 changes, self._changes = self._changes, []
-                for sequence in self._inbox:
-                    self.core.add(sequence)
-                self._inbox.clear()
+                exclusive = [] if self.core.busy else self._exclusive
+                self._exclusive = [] if exclusive else self._exclusive
+                if not self._exclusive:  # held back while exclusive work waits for the slots to empty
+                    for sequence in self._inbox:
+                        self.core.add(sequence)
+                    self._inbox.clear()
             for change in changes:
                 change(self.core)
+            for work in exclusive:
+                work(self.core)
             try:
                 changed = self.core.step()
             except Exception as exc:  # an engine fault: fail the requests in flight, keep serving
-                changed = self._fail_all(exc)
+                changed = self.core.fail_all(exc)
             for sequence in changed:
                 self._publish(sequence)
-
-    def _fail_all(self, exc: Exception) -> list[Sequence]:
-        failed = list(self.core.active) + list(self.core.waiting)
-        for sequence in failed:
-            sequence.error = DSparkError(f"engine step failed: {exc}")
-            self.core.finish(sequence, "error")
-        for sequence in list(self.core.active):
-            self.core.release(sequence)
-        self.core.waiting.clear()
-        return failed
 
     def _publish(self, sequence: Sequence) -> None:
         """Turn a request's new tokens into text, end it where a stop string appeared, and hand it the text it has

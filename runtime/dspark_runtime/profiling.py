@@ -21,8 +21,8 @@ import numpy as np
 
 from dspark_calibration.timing import cost_table, median_seconds
 from dspark_runtime.batches import DraftBatch, DraftRequest, TargetBatch
-from dspark_runtime.core import EngineCore
-from dspark_common.engine_dir import HARDWARE_CURVE
+from dspark_common.engine_dir import HARDWARE_CURVE, Manifest
+from dspark_runtime.runner import GraphRunner
 from dspark_runtime.scheduler import PROFILED_CONTEXT_ROWS
 
 
@@ -32,14 +32,14 @@ def target_sizes(limit: int, dense: int = 16, step: int = 8) -> list[int]:
     return sorted(set(range(1, min(dense, limit) + 1)) | set(range(dense, limit + 1, step)) | {limit})
 
 
-def decode_tokens(core: EngineCore) -> int:
+def decode_tokens(manifest: Manifest) -> int:
     """The most tokens a decoding step sends: every slot's anchor and γ drafts (prefill chunks are not scheduled)."""
-    return min(core.manifest.max_batch_tokens, core.manifest.cache_slots * (core.gamma + 1))
+    return min(manifest.max_batch_tokens, manifest.cache_slots * (manifest.gamma + 1))
 
 
-def target_batch(core: EngineCore, tokens: int, context: int) -> TargetBatch:
+def target_batch(manifest: Manifest, tokens: int, context: int) -> TargetBatch:
     """A step of `tokens` new tokens spread over min(tokens, S) requests, each with `context` cached positions."""
-    slots = core.manifest.cache_slots
+    slots = manifest.cache_slots
     requests = min(tokens, slots)
     per_request = np.full(requests, tokens // requests)
     per_request[: tokens % requests] += 1
@@ -49,10 +49,11 @@ def target_batch(core: EngineCore, tokens: int, context: int) -> TargetBatch:
                        np.repeat(np.arange(requests), per_request), cache_len, np.arange(tokens))
 
 
-def draft_batch(core: EngineCore, requests: int, context: int, new_context: int = PROFILED_CONTEXT_ROWS) -> DraftBatch:
+def draft_batch(drafter: GraphRunner, manifest: Manifest, requests: int, context: int,
+                new_context: int = PROFILED_CONTEXT_ROWS) -> DraftBatch:
     """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
-    width = core.drafting.drafter.io.input("context_features").shape[1]
-    cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
+    width = drafter.io.input("context_features").shape[1]
+    cache_len = np.zeros(manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
     return DraftBatch(
         [
@@ -64,7 +65,7 @@ def draft_batch(core: EngineCore, requests: int, context: int, new_context: int 
                 features=np.zeros((new_context, width), np.float32),
                 next_tokens=[5] * new_context,
                 temperature=1.0,
-                noise=np.full(core.gamma, 0.5),
+                noise=np.full(manifest.gamma, 0.5),
             )
             for slot in range(requests)
         ],
@@ -76,54 +77,53 @@ DRIFT_TOKENS = 64  # the likeliest tokens whose logits `one_row_drift` compares
 DRIFT_CONTEXT = 16  # the positions `profile` prefills before comparing
 
 
-def one_row_drift(core: EngineCore, context: int) -> float:
+def one_row_drift(target: GraphRunner, manifest: Manifest, context: int) -> float:
     """How far the target's logits for a token computed alone differ from the same token's computed as the first
     row of a two-token step (largest absolute difference among the likeliest tokens; 0.0 where this CPU's kernels
     agree bit for bit), after `context` real positions prefilled in slot 0: caches holding no request's K/V make
     logits in the tens of thousands, where any difference is amplified. A plain decoding step runs one row and a
     verification step several: where they differ, greedy speculation can pick another token than `off` where two
     tokens nearly tie (ONNX Runtime's int4 kernels on AVX2 without VNNI)."""
-    cache_len = np.zeros(core.manifest.cache_slots, dtype=np.int64)
-    prompt = np.arange(context) % (core.manifest.vocab_size - 5) + 5
-    core.target.run(TargetBatch(prompt, np.arange(context), np.zeros(context, np.int64), cache_len,
-                                np.array([context - 1])))
+    cache_len = np.zeros(manifest.cache_slots, dtype=np.int64)
+    prompt = np.arange(context) % (manifest.vocab_size - 5) + 5
+    target.run(TargetBatch(prompt, np.arange(context), np.zeros(context, np.int64), cache_len, np.array([context - 1])))
     cache_len[0] = context
-    alone = core.target.run(target_batch(core, 1, context))["logits"][0]
-    paired = core.target.run(TargetBatch(np.full(2, 5), context + np.arange(2), np.zeros(2, np.int64), cache_len,
-                                         np.arange(2)))["logits"][0]
+    alone = target.run(target_batch(manifest, 1, context))["logits"][0]
+    paired = target.run(TargetBatch(np.full(2, 5), context + np.arange(2), np.zeros(2, np.int64), cache_len,
+                                    np.arange(2)))["logits"][0]
     likeliest = np.argsort(alone)[-DRIFT_TOKENS:]
     return float(np.abs(alone[likeliest].astype(np.float64) - paired[likeliest]).max())
 
 
-def profile(core: EngineCore, folder: Path, machine_record: dict, context: int = 256, rounds: int = 5,
-            progress: Callable[[str, int], None] | None = None) -> dict:
-    """Measure both tables in `rounds` interleaved rounds and write `hardware_curve.json` into the engine
-    directory, with `machine_record` (the backend's `machine()`) and the largest spread between rounds of each table."""
-    manifest = core.manifest
-    context = min(context, manifest.max_context - manifest.max_batch_tokens - core.gamma - 1)
+def profile(target: GraphRunner, drafter: GraphRunner | None, manifest: Manifest, folder: Path, machine_record: dict,
+            context: int = 256, rounds: int = 5, progress: Callable[[str, int], None] | None = None) -> dict:
+    """Measure both tables in `rounds` interleaved rounds on the engine's runners (their caches are overwritten: no
+    request may hold a slot) and write `hardware_curve.json` into the engine directory, with `machine_record` (the
+    backend's `machine()`) and the largest spread between rounds of each table."""
+    context = min(context, manifest.max_context - manifest.max_batch_tokens - manifest.gamma - 1)
     context = max(context, 0)
-    sizes = target_sizes(decode_tokens(core))
-    target = cost_table(sizes, lambda b: lambda: core.target.run(target_batch(core, b, context)), rounds,
-                        progress=progress and (lambda n: progress("target", n)))
+    sizes = target_sizes(decode_tokens(manifest))
+    timed = cost_table(sizes, lambda b: lambda: target.run(target_batch(manifest, b, context)), rounds,
+                       progress=progress and (lambda n: progress("target", n)))
     draft_seconds, draft_spread, per_row = np.zeros(manifest.cache_slots), 0.0, 0.0
-    if core.gamma:
+    if drafter is not None:
         draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: core.drafting.drafter.run(draft_batch(core, r, context)), rounds,
+                           lambda r: lambda: drafter.run(draft_batch(drafter, manifest, r, context)), rounds,
                            progress=progress and (lambda n: progress("drafter", n)))
         draft_seconds, draft_spread = draft.seconds, float(draft.spreads.max())
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
-        batch = draft_batch(core, requests, context, PROFILED_CONTEXT_ROWS + extra)
-        long = median_seconds(lambda: core.drafting.drafter.run(batch), 3 * rounds)
+        batch = draft_batch(drafter, manifest, requests, context, PROFILED_CONTEXT_ROWS + extra)
+        long = median_seconds(lambda: drafter.run(batch), 3 * rounds)
         per_row = max(0.0, float(long - draft_seconds[requests - 1]) / (extra * requests))
     curve = {
-        "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, target.seconds)],
+        "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, timed.seconds)],
         "draft_seconds": [round(float(t), 7) for t in draft_seconds],
         "draft_seconds_per_context_row": round(per_row, 9),
-        "spread": {"target": round(float(target.spreads.max()), 3), "drafter": round(draft_spread, 3)},
+        "spread": {"target": round(float(timed.spreads.max()), 3), "drafter": round(draft_spread, 3)},
         "context": context,
         "rounds": rounds,
-        "one_row_drift": one_row_drift(core, DRIFT_CONTEXT),
+        "one_row_drift": one_row_drift(target, manifest, DRIFT_CONTEXT),
         "machine": machine_record,
         "measured": datetime.datetime.now().isoformat(timespec="seconds"),
     }
