@@ -40,6 +40,7 @@ def model_engine(model: str | None, drafter: str | None = None) -> Path:
     from dspark_export.build import build_engine, default_engine_dir, source_digests
     from dspark_export.drafters.bundled import matching_drafter, resolve_drafter
     from dspark_export.presets import resolve_target
+    from dspark_export.sizing import DESKTOP_SLOTS
 
     spec = resolve_target(None, _model_reference(model)) if model else resolve_target("demo")
     drafter = drafter or matching_drafter(spec)
@@ -52,7 +53,7 @@ def model_engine(model: str | None, drafter: str | None = None) -> Path:
         print(f"building an engine of {model} into {folder} (first use; {with_drafter})...", file=sys.stderr)
         try:
             build_engine(spec, folder, drafter_dir, drafter, force=True, weights=_file_format(spec),
-                         show_progress=sys.stderr.isatty())
+                         cache_slots=DESKTOP_SLOTS, show_progress=sys.stderr.isatty())
         except ConfigError as exc:
             raise ConfigError(f"{exc} (drafter {drafter})") from None
     return folder

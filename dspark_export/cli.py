@@ -11,6 +11,7 @@ from dspark_export.build import BACKENDS
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
 from dspark_export.presets import KNOWN_TARGETS
+from dspark_export.sizing import DESKTOP_SLOTS
 from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
 from dspark_common.graph_io import DRAFTER_TYPES
 
@@ -62,7 +63,8 @@ def engine_options(command):
             help="int8/int4 compute: 4 quantizes activations to int8 (fast on CPUs), 0 dequantizes to float.",
         ),
         click.option(
-            "--cache-slots", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent requests."
+            "--cache-slots", type=click.IntRange(min=1), default=DESKTOP_SLOTS, show_default=True,
+            help="Concurrent requests (one chat at a time by default; a server for several users wants more)."
         ),
         click.option(
             "--max-context",
@@ -71,7 +73,8 @@ def engine_options(command):
             help="Tokens per request (default: what --kv-memory holds, at most the model's positions).",
         ),
         click.option(
-            "--kv-memory", default="4GiB", show_default=True, help="KV cache budget that sizes the default context."
+            "--kv-memory", default="512MiB", show_default=True,
+            help="KV cache budget that sizes the default context (at most the model's positions)."
         ),
     ]
     for option in reversed(options):

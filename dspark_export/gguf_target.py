@@ -51,8 +51,11 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
 CARRIED_BLOCK = 32
 EXACT = 1e-6  # a relative RMS error of re-quantization below this is float rounding: the format holds the grid
 CARRIED = {  # GGUF types whose blocks `MatMulNBits` holds exactly, and how
-    "Q4_0": Layout(4, CARRIED_BLOCK), "Q8_0": Layout(8, CARRIED_BLOCK), "Q6_K": Layout(8, 16, zero_points=True)}
-ROUNDS_ACTIVATIONS = ("Q6_K",)  # carried types whose ggml products round activations to Q8_K (`ggml_rounding`)
+    "Q4_0": Layout(4, CARRIED_BLOCK), "Q8_0": Layout(8, CARRIED_BLOCK), "Q6_K": Layout(8, 16, zero_points=True),
+    "Q4_K": Layout(4, 32, zero_points=True, offsets=True), "Q5_K": Layout(8, 32, zero_points=True, offsets=True)}
+OFFSET_TYPES = ("Q4_K", "Q5_K")  # d·sc·q - dmin·m: carried for products only (a gathered row has no offset term)
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}  # 256 weights: d, dmin (float16), 12 bytes of 6-bit sc and m, codes
+ROUNDS_ACTIVATIONS = ("Q6_K", "Q4_K", "Q5_K")  # carried types whose ggml products round activations to Q8_K (`ggml_rounding`)
 Q6_K_BYTES, Q6_K_SCALES = 210, slice(192, 208)  # a 256-weight Q6_K block: ql[128], qh[64], scales[16] (int8), d
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_CHUNK = 1 << 22  # weights dequantized at a time
@@ -272,6 +275,34 @@ def _q6_k(data: np.ndarray, rows: int, values: "Dequantized") -> Carried:
     return Carried(codes, scales.astype(np.float32), np.full(scales.shape, 32, np.uint8), CARRIED["Q6_K"])
 
 
+def k_quant_scales(data: np.ndarray, rows: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K matrix's per-32 scales d·sc and offsets -dmin·m [n, K/32], in float32 as ggml computes them
+    (`get_scale_min_k4`: eight 6-bit sc and m per 256 weights, packed into 12 bytes)."""
+    blocks = data.reshape(rows, -1, K_BLOCK_BYTES[kind])
+    d, dmin = (np.ascontiguousarray(blocks[..., i : i + 2]).view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    q = blocks[..., 4:16].astype(np.uint8)  # [n, B, 12]
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    scales = d[..., None] * sc.astype(np.float32)
+    offsets = -(dmin[..., None] * m.astype(np.float32))
+    return scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def _k_quant(data: np.ndarray, rows: int, values: "Dequantized", kind: str) -> Carried:
+    """A Q4_K (4-bit) or Q5_K (5-bit, held in 8) matrix: codes q with zero points 0, scales d·sc and offsets -dmin·m
+    per 32 weights, its codes read back from the dequantized values (exact: w = d·sc·q - dmin·m in float32)."""
+    layout = CARRIED[kind]
+    scales, offsets = k_quant_scales(data, rows, kind)
+    wide = np.asarray(values).reshape(rows, scales.shape[1], 32)
+    safe = np.where(scales == 0, 1, scales)[..., None]
+    codes = np.clip(np.rint((wide - offsets[..., None]) / safe), 0, (1 << (4 if kind == "Q4_K" else 5)) - 1)
+    codes = np.where(scales[..., None] == 0, 0, codes).astype(np.uint8)
+    if layout.bits == 4:  # two to a byte, the even element low
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    zero_points = np.zeros((rows, -(-scales.shape[1] * layout.bits // 8)), np.uint8)
+    return Carried(codes, scales, zero_points, layout, offsets)
+
+
 @dataclass(frozen=True)
 class Dequantized:
     """A quantized GGUF matrix as float32 [rows, columns], dequantized only for the rows a slice asks for."""
@@ -346,8 +377,12 @@ class GGUFCheckpoint:
         return as_float32(*self.raw(name))
 
     def carried_layout(self, name: str) -> Layout | None:
-        """The MatMulNBits layout that holds this matrix exactly (Q4_0, Q8_0, Q6_K), or None."""
-        return CARRIED.get(self.tensors[name].tensor_type.name)
+        """The MatMulNBits layout that holds this matrix exactly (Q4_0, Q8_0, Q6_K; Q4_K and Q5_K but for the
+        embedding, whose rows are gathered), or None."""
+        kind = self.tensors[name].tensor_type.name
+        if kind in OFFSET_TYPES and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return None
+        return CARRIED.get(kind)
 
     def rounds_activations(self, name: str) -> bool:
         """Whether llama.cpp rounds what this carried matrix multiplies to Q8_K (its K-quant products do), so the
@@ -368,6 +403,8 @@ class GGUFCheckpoint:
         data = self._rows(name)
         if kind == "Q6_K":
             return _q6_k(data, rows, self.raw(name)[0])
+        if kind in OFFSET_TYPES:
+            return _k_quant(data, rows, self.raw(name)[0], kind)
         blocks = data.reshape(rows, -1, 2 + CARRIED_BLOCK * layout.bits // 8)
         scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
         quants = blocks[..., 2:]

@@ -10,16 +10,18 @@ from dspark_export.config import DTYPE_BYTES, DecoderConfig
 from dspark_common.errors import ConfigError
 from dspark_export.graphs.weights import Carrier, Layout, WeightFormat
 
-DEFAULT_KV_MEMORY = 4 << 30  # bytes of KV cache an engine gets unless told otherwise
+DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache an engine gets unless told otherwise: one desktop chat's
+DESKTOP_SLOTS = 1  # the command line's default: one chat at a time, as llama.cpp's
 CONTEXT_STEP = 256  # a budget-sized context is rounded down to a multiple of this
 
 
 def bytes_per_weight(layout: Layout | None, dtype: str) -> float:
     """A matrix weight's bytes: in `dtype` (float formats), else its code and its share of its block's float scale
-    (and zero point)."""
+    (and zero point, 4-bit ones two to a byte, and float32 offset)."""
     if layout is None:
         return DTYPE_BYTES[dtype]
-    return layout.bits / 8 + (DTYPE_BYTES[dtype] + layout.zero_points) / layout.block_size
+    zero_point = layout.zero_points * (0.5 if layout.bits == 4 else 1)
+    return layout.bits / 8 + (DTYPE_BYTES[dtype] + zero_point + 4 * layout.offsets) / layout.block_size
 
 
 def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carrier: Carrier | None = None) -> int:

@@ -77,7 +77,9 @@ def write_gguf(folder: Path, file: Path, qtype: str = "F32", architecture: str |
         chosen = embedding_type if embedding_type and name == "model.embed_tokens.weight" else qtype
         if values.ndim == 2 and chosen != "F32":
             kind = gguf.GGMLQuantizationType[chosen]
-            data = q6_k(values) if chosen == "Q6_K" else quantize(values, kind)  # the gguf package has no Q6_K writer
+            # the gguf package writes no K-quants
+            data = q6_k(values) if chosen == "Q6_K" else k_quant(values, chosen) if chosen in ("Q4_K", "Q5_K") \
+                else quantize(values, kind)
             writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), values.astype(np.float32))
@@ -114,3 +116,29 @@ def q6_k(values: np.ndarray) -> np.ndarray:
     step = (per_run * sub_scales)[..., None]
     codes = (np.rint(runs / np.where(step > 0, step, 1)) + 32).clip(0, 63).astype(np.uint8)
     return q6_k_bytes(codes.reshape(n, k), sub_scales, d)
+
+
+def k_quant(values: np.ndarray, kind: str) -> np.ndarray:
+    """float32 rows [n, K] (K a multiple of 256) as Q4_K or Q5_K blocks, laid out as ggml's: per 32 weights a 6-bit
+    scale and a 6-bit min of float16 d and dmin per 256, w = d·sc·q - dmin·m with q of 4 (5) bits."""
+    top = 15 if kind == "Q4_K" else 31
+    n, k = values.shape
+    runs = values.reshape(n, k // 256, 8, 32)
+    mins = np.maximum(0, -runs.min(-1))  # [n, B, 8]
+    wanted = (runs.max(-1) + mins) / top
+    d = (wanted.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    sc = np.rint(wanted / np.where(d > 0, d, 1).astype(np.float32)[..., None]).clip(0, 63).astype(np.uint8)
+    m = np.rint(mins / np.where(dmin > 0, dmin, 1).astype(np.float32)[..., None]).clip(0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    low = dmin.astype(np.float32)[..., None] * m
+    q = np.rint((runs + low[..., None]) / np.where(step > 0, step, 1)[..., None]).clip(0, top).astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)], axis=-1)  # [n, B, 12]
+    chunks = q.reshape(n, k // 256, 4, 2, 32)  # four runs of 64: the first 32 in low nibbles, the next in high
+    qs = ((chunks[:, :, :, 0] & 0xF) | ((chunks[:, :, :, 1] & 0xF) << 4)).reshape(n, k // 256, 128)
+    parts = [d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), packed]
+    if kind == "Q5_K":  # the fifth bits: bit 2j of qh[l] for element l of run 2j, bit 2j + 1 for run 2j + 1
+        high = (chunks >> 4).reshape(n, k // 256, 8, 32).astype(np.uint16) << np.arange(8, dtype=np.uint16)[:, None]
+        parts.append(high.sum(axis=2).astype(np.uint8))
+    return np.concatenate([*parts, qs], axis=-1).reshape(n, -1)

@@ -47,24 +47,27 @@ Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array
 
 @dataclass(frozen=True)
 class Layout:
-    """How a quantized matrix is stored: bits per code, weights per block, and whether blocks have zero points
-    (else MatMulNBits' implicit 2^(bits-1))."""
+    """How a quantized matrix is stored: bits per code, weights per block, whether blocks have zero points (else
+    MatMulNBits' implicit 2^(bits-1)) and an additive float offset (a K-quant's -dmin·m: its products add the input's
+    block sums times the offsets)."""
 
     bits: int
     block_size: int
     zero_points: bool = False
+    offsets: bool = False
 
 
 @dataclass(frozen=True)
 class Carried:
     """A checkpoint's own quantized matrix [n, K] in MatMulNBits' layout: codes [n, K/block, block·bits/8] (4-bit
-    codes two to a byte, the even element low), float32 scales [n, K/block], uint8 zero points [n, K/block] or
-    None; w = (code - zero point) · scale."""
+    codes two to a byte, the even element low), float32 scales [n, K/block], uint8 zero points [n, K/block] (4-bit:
+    two to a byte) or None, float32 offsets [n, K/block] or None; w = (code - zero point) · scale + offset."""
 
     codes: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None
     layout: Layout
+    offsets: np.ndarray | None = None
 
 
 class Carrier(Protocol):
@@ -316,8 +319,13 @@ class Weights:
         extra = [zero_points or "", *([""] + [self._tensor(biases)] if biases else [])]
         while extra and not extra[-1]:
             extra.pop()
-        return b.op("MatMulNBits", x, codes, scales, *extra, domain="com.microsoft", K=k, N=n, bits=layout.bits,
-                    block_size=layout.block_size, accuracy_level=self.format.accuracy_level)
+        y = b.op("MatMulNBits", x, codes, scales, *extra, domain="com.microsoft", K=k, N=n, bits=layout.bits,
+                 block_size=layout.block_size, accuracy_level=self.format.accuracy_level)
+        if not layout.offsets:
+            return y
+        blocks = b.op("Concat", b.op("Shape", x, end=-1), b.const([k // layout.block_size, layout.block_size]), axis=0)
+        sums = b.op("ReduceSum", b.op("Reshape", x, blocks), b.const([-1]), keepdims=0)  # [.., K/block]
+        return b.op("Add", y, b.op("MatMul", sums, "+".join(names) + ".offsets"))
 
     def embedding(self, b: GraphBuilder, ids: str, name: str) -> str:
         """Rows `ids` of the [vocab, hidden] table `name`, dequantized in the graph when the format quantizes (the
@@ -417,11 +425,11 @@ class Weights:
         if codes_name in self.initializers:
             blocks, blob = self.initializers[codes_name].dims[1:]
             zero = zero_name in self.initializers
-            layout = Layout(blob * 8 // (k // blocks), k // blocks, zero)
+            layout = Layout(blob * 8 // (k // blocks), k // blocks, zero, key + ".offsets" in self.initializers)
             return codes_name, scales_name, zero_name if zero else None, layout, n, k
         layout = self._layout_of(names[0])  # one layout per stack: `linear` splits stacks of mixed layouts
         step = max(1, CHUNK_ELEMENTS // k)
-        scales, zero_points = [], []
+        scales, zero_points, offsets = [], [], []
 
         def chunks() -> Iterator[np.ndarray]:
             for name, (array, stored) in zip(names, arrays):
@@ -429,6 +437,7 @@ class Weights:
                 if carried:  # the checkpoint's own codes, as they are
                     scales.append(carried.scales)
                     zero_points.append(carried.zero_points)
+                    offsets.append(carried.offsets)
                     yield carried.codes
                     continue
                 for start in range(0, array.shape[0], step):
@@ -443,5 +452,7 @@ class Weights:
         self._add(scales_name, np.concatenate(scales).astype(self.dtype), self.dtype)
         if layout.zero_points:  # only carried layouts have them, so every part was carried
             self._add(zero_name, np.concatenate(zero_points), "uint8")
+        if layout.offsets:  # [K/block, n]: what the input's block sums multiply
+            self._add(key + ".offsets", np.ascontiguousarray(np.concatenate(offsets).T), "float32")
         self._done(len(names))
         return codes_name, scales_name, zero_name if layout.zero_points else None, layout, n, k
