@@ -173,7 +173,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                   "the target uses the portable attention op", file=sys.stderr)
     with staged(out) as staging:
         total = len(expected_shapes(spec.config))
-        with tqdm(total=total, desc="build target", unit="tensor", disable=not show_progress) as bar:
+        # a bar on a terminal only (None: tqdm's own test), not hundreds of carriage returns in a log
+        with tqdm(total=total, desc="build target", unit="tensor", disable=None if show_progress else True) as bar:
             build_target_onnx(checkpoint, staging / TARGET_GRAPH, dtype, feature_layers, weights, lowering,
                               size.cache_rows, cache_slots == 1, progress=bar.update)
         if source is not None:  # ONNX Runtime's If branches may differ in shape: greedy calls skip distributions

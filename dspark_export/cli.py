@@ -312,7 +312,7 @@ def evaluate_command(target, target_path, drafters, rows, temperature, top_k, to
     loaded = load_drafters(spec, model, tokenizer, list(drafters), draft_vocab)
     results = []
     for name, drafter in loaded.items():
-        with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json) as bar:
+        with tqdm(total=len(rows), desc=f"eval {name}", unit="prompt", disable=as_json or None) as bar:
             params = SamplingParams(max_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p)
             result = {"drafter": name} | evaluate(model, drafter, rows, tokenizer, params, seed, bar.update)
         results.append(result)

@@ -1,30 +1,37 @@
-"""GGUF targets (the files llama.cpp, Ollama and LM Studio keep), read with the `gguf` package.
+"""GGUF targets (the files llama.cpp, Ollama and LM Studio keep): the header read and checked by `gguf_reader` and
+`gguf_checks`, the quantized blocks dequantized by the `gguf` package.
 
 `prepare(file)` turns a `.gguf` into what the rest of the exporter reads from a Hugging Face folder: a small
 side folder with `config.json`, `tokenizer.json` and `tokenizer_config.json` made from the file's metadata, and
 the file itself linked in as `model.gguf`. `GGUFCheckpoint` hands out its tensors by their Hugging Face names:
-F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0, Q8_0 and Q6_K also as
-`MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the file's
+F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0, Q8_0, Q6_K, Q4_K and Q5_K
+also as `MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the file's
 own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a signed byte, in blocks of 32 with one float16
 scale (MatMulNBits' layout once the nibbles are re-paired and the bytes offset by 128); Q6_K is d·s·(q - 32) per
-16 weights (8-bit codes in blocks of 16 with zero point 32), whose products round their activations as llama.cpp's
-do (`rounds_activations`).
+16 weights (8-bit codes in blocks of 16 with zero point 32); Q4_K and Q5_K are d·sc·q - dmin·m per 32 weights (codes
+with zero point 0, scales d·sc, and offsets -dmin·m that their products add as a float product with the input's
+per-32 sums). K-quant products round their activations as llama.cpp's do (`rounds_activations`).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from dspark_export.config import ARCHITECTURES, DecoderConfig, llama3_scaled
+from dspark_export.gguf_checks import FLOAT, INTEGER, check_file, check_tokenizer
+from dspark_export.gguf_reader import ARRAY, BOOL, FLOATS, INTEGERS, STRING, GGUFContents, read_gguf, type_name
 from dspark_export.graphs.weights import Carried, Layout, WeightFormat
+from dspark_export.staging import process_alive
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
@@ -55,7 +62,8 @@ CARRIED = {  # GGUF types whose blocks `MatMulNBits` holds exactly, and how
     "Q4_K": Layout(4, 32, zero_points=True, offsets=True), "Q5_K": Layout(8, 32, zero_points=True, offsets=True)}
 OFFSET_TYPES = ("Q4_K", "Q5_K")  # d·sc·q - dmin·m: carried for products only (a gathered row has no offset term)
 K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}  # 256 weights: d, dmin (float16), 12 bytes of 6-bit sc and m, codes
-ROUNDS_ACTIVATIONS = ("Q6_K", "Q4_K", "Q5_K")  # carried types whose ggml products round activations to Q8_K (`ggml_rounding`)
+# carried types whose ggml products round activations to Q8_K (`ggml_rounding`)
+ROUNDS_ACTIVATIONS = ("Q6_K", "Q4_K", "Q5_K")
 Q6_K_BYTES, Q6_K_SCALES = 210, slice(192, 208)  # a 256-weight Q6_K block: ql[128], qh[64], scales[16] (int8), d
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_CHUNK = 1 << 22  # weights dequantized at a time
@@ -82,49 +90,62 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _open(file: Path):
-    """The file's `GGUFReader`, or a one-line error for a missing, truncated or foreign file."""
+def _contents(file: Path) -> GGUFContents:
+    """The file's header, metadata and tensor table (`gguf_reader`), or a one-line error for a missing, truncated,
+    foreign or malformed file."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (the ggml types and the dequantizers)
     except ImportError:
         raise CheckpointError("reading GGUF files needs the gguf package (1.4 MB): pip install gguf") from None
-
     if not file.is_file():
         raise CheckpointError(f"GGUF file {file} does not exist")
-    try:
-        return GGUFReader(file)
-    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors on bad files
-        raise CheckpointError(f"{file} is not a readable GGUF file (truncated or corrupt: {exc})") from None
+    return read_gguf(file)
 
 
 class GGUFFile:
-    """A GGUF file's metadata (fields by key) and tensors (by their Hugging Face names)."""
+    """A GGUF file's metadata (fields by key) and tensors (by their Hugging Face names), checked (`gguf_checks`)
+    before anything is made of them."""
 
     def __init__(self, file: str | Path):
         self.file = Path(file)
-        self.reader = _open(self.file)
-        self.architecture = self.field("general.architecture")
+        self.contents = _contents(self.file)
+        self.architecture = self.field("general.architecture", kind=STRING)
         if self.architecture not in ARCHITECTURES:  # llama.cpp names these families as Hugging Face's model_type
             raise CheckpointError(f"{self.file.name}: GGUF architecture {self.architecture!r} is not one DSpark builds "
                                   f"(it reads {', '.join(ARCHITECTURES)})")
         self.tensors, self.rope_freqs = {}, None
-        for tensor in self.reader.tensors:
-            if tensor.name == ROPE_FREQS:
-                self.rope_freqs = np.asarray(tensor.data, np.float64)
+        for tensor in self.contents.tensors:
+            if tensor.name == ROPE_FREQS and self.architecture == "llama":
+                self.rope_freqs = np.asarray(tensor.data, np.float64).reshape(-1)
                 continue
             name = _hf_name(tensor.name)
             if name is None:
                 raise CheckpointError(f"{self.file.name}: tensor {tensor.name} has no place in a "
                                       f"{self.architecture} decoder")
             self.tensors[name] = tensor
+        check_file(self)
 
-    def field(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
+    def has(self, key: str) -> bool:
+        return key in self.contents.fields
+
+    def field(self, key: str, default=None, kind: int | tuple | None = None):
+        """The value of metadata `key` (`default` when absent; an error when absent without one, or when it is not
+        of the type `kind` names: a GGUF value type, INTEGER or FLOAT, or (ARRAY, element type))."""
+        if key not in self.contents.fields:
             if default is None:
                 raise CheckpointError(f"{self.file.name} lacks the GGUF metadata {key}")
             return default
-        return field.contents()
+        stored = self.contents.types[key]
+        integer_arrays = [(ARRAY, k) for k in INTEGERS]
+        allowed = {INTEGER: INTEGERS, FLOAT: FLOATS, (ARRAY, INTEGER): integer_arrays}.get(kind, (kind,))
+        if kind is not None and stored not in allowed:
+            expected = {INTEGER: "an integer", FLOAT: "a float", (ARRAY, INTEGER): "an array of integers"}.get(kind)
+            raise CheckpointError(f"{self.file.name}: metadata {key} is {type_name(stored)}, expected "
+                                  f"{expected or type_name(kind)}")
+        return self.contents.fields[key]
+
+    def config(self) -> DecoderConfig:
+        return DecoderConfig.from_hf_dict(self.hf_config())
 
     def hf_config(self) -> dict:
         """config.json's fields, from the metadata."""
@@ -216,14 +237,12 @@ def tokenizer_json(gguf: GGUFFile) -> str:
     """tokenizer.json for a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2"), made with `tokenizers`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    model = gguf.field("tokenizer.ggml.model")
-    pre = gguf.field("tokenizer.ggml.pre", "gpt-2")
+    model = gguf.field("tokenizer.ggml.model", kind=STRING)
+    pre = gguf.field("tokenizer.ggml.pre", "gpt-2", STRING)
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{gguf.file.name}: tokenizer {model}/{pre} is not one DSpark rebuilds (it reads gpt2 "
                               f"byte-level BPE with pre-tokenizer {', '.join(PRE_TOKENIZERS)})")
-    tokens = list(gguf.field("tokenizer.ggml.tokens"))
-    kinds = list(gguf.field("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(merge.split(" ", 1)) for merge in gguf.field("tokenizer.ggml.merges")]
+    tokens, kinds, merges = check_tokenizer(gguf)
     vocab = {token: index for index, (token, kind) in enumerate(zip(tokens, kinds)) if kind != UNUSED}
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     pattern = PRE_TOKENIZERS[pre]
@@ -238,29 +257,61 @@ def tokenizer_json(gguf: GGUFFile) -> str:
 
 def tokenizer_config(gguf: GGUFFile) -> dict:
     """tokenizer_config.json: the end, padding and (when the file adds it) beginning tokens, and the chat template."""
-    tokens = gguf.field("tokenizer.ggml.tokens")
-    named = lambda key: tokens[int(gguf.field(key))] if key in gguf.reader.fields else None  # noqa: E731
+    tokens, _, _ = check_tokenizer(gguf)
+    named = lambda key: tokens[gguf.field(key)] if gguf.has(key) else None  # noqa: E731  (ids checked in range)
     config = {"eos_token": named("tokenizer.ggml.eos_token_id"), "pad_token": named("tokenizer.ggml.padding_token_id"),
-              "bos_token": named("tokenizer.ggml.bos_token_id") if gguf.field("tokenizer.ggml.add_bos_token", False)
-              else None}
-    if "tokenizer.chat_template" in gguf.reader.fields:
-        config["chat_template"] = gguf.field("tokenizer.chat_template")
+              "bos_token": named("tokenizer.ggml.bos_token_id")
+              if gguf.field("tokenizer.ggml.add_bos_token", False, BOOL) else None}
+    if gguf.has("tokenizer.chat_template"):
+        config["chat_template"] = gguf.field("tokenizer.chat_template", kind=STRING)
     return config
 
 
 # ---- the side folder -------------------------------------------------------------------------------------------
+def open_gguf(file: str | Path) -> GGUFFile:
+    """`file` read and checked once per process while it is unchanged (a command reads it at several stages)."""
+    file = _resolved(file)
+    stat = file.stat() if file.is_file() else None
+    return _opened(file, stat and (stat.st_size, stat.st_mtime_ns))
+
+
+def _resolved(file: str | Path) -> Path:
+    """The file a path names, links followed; a link loop is one error."""
+    try:
+        return Path(file).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: a symlink loop (Python before 3.13)
+        raise CheckpointError(f"{file} cannot be opened: {exc}") from None
+
+
+@lru_cache(maxsize=4)
+def _opened(file: Path, stamp: tuple[int, int] | None) -> GGUFFile:
+    return GGUFFile(file)
+
+
+SIDE_FOLDER = "dspark-gguf-{pid}-"  # a prepared side folder's prefix: the process that made it
+
+
 def prepare(file: str | Path) -> tuple[Path, GGUFFile]:
     """A side folder (removed at exit) that reads as a Hugging Face model folder: config and tokenizer from the
-    file's metadata, the file linked in as `model.gguf`; and the opened file."""
-    file = Path(file).expanduser().resolve()
-    gguf = GGUFFile(file)
-    folder = Path(tempfile.mkdtemp(prefix=f"dspark-{file.stem}-"))
+    file's metadata, the file linked in as `model.gguf`; and the opened file. Side folders of processes that
+    died without removing theirs (killed) are removed first."""
+    file = _resolved(file)
+    gguf = open_gguf(file)
+    _remove_orphaned_side_folders()
+    folder = Path(tempfile.mkdtemp(prefix=SIDE_FOLDER.format(pid=os.getpid())))
     atexit.register(shutil.rmtree, folder, True)
     (folder / "config.json").write_text(json.dumps(gguf.hf_config(), indent=1))
     (folder / "tokenizer.json").write_text(tokenizer_json(gguf), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf), indent=1), encoding="utf-8")
     (folder / GGUF_FILE).symlink_to(file)
     return folder, gguf
+
+
+def _remove_orphaned_side_folders() -> None:
+    for folder in Path(tempfile.gettempdir()).glob(SIDE_FOLDER.format(pid="*")):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- the weights -----------------------------------------------------------------------------------------------
@@ -325,19 +376,12 @@ class Dequantized:
 
 
 class GGUFCheckpoint:
-    """`Checkpoint`'s interface over a prepared GGUF: tensors by Hugging Face name, shape-checked."""
+    """`Checkpoint`'s interface over a prepared GGUF: tensors by Hugging Face name (their set and shapes checked
+    when the file was opened)."""
 
     def __init__(self, folder: Path, config: DecoderConfig):
-        from dspark_export.checkpoint import expected_shapes
-
         self.path, self.config = Path(folder), config
-        self.gguf = GGUFFile(self.path / GGUF_FILE)
-        for name, shape in expected_shapes(config).items():
-            if name not in self.gguf.tensors:
-                raise CheckpointError(f"{self.gguf.file.name} lacks the tensor for {name}")
-            if tuple(int(n) for n in reversed(self.gguf.tensors[name].shape)) != shape:
-                raise CheckpointError(f"{self.gguf.file.name}: {name} has shape "
-                                      f"{list(reversed(self.gguf.tensors[name].shape))}, expected {list(shape)}")
+        self.gguf = open_gguf(self.path / GGUF_FILE)
         self.tensors = self.gguf.tensors
 
     @property

@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp-flags", action="append", default=[], metavar="FLAGS",
                         help="also run llama.cpp with these flags added (repeatable; named `llama.cpp-TYPE FLAGS`): "
                              "its agreement with the plain llama.cpp peer is the noise floor of its own arithmetic")
-    parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values()) | {"q4_k_m"}),
+    parser.add_argument("--gguf-type", default=None, choices=sorted(set(GGUF_TYPE.values()) | {"q4_k_m", "q5_k_m"}),
                         help="GGUF precision (default: the engine's; q4_k_m: llama-quantize's K-quant mix)")
     parser.add_argument("--draft-gguf-type", default="q8_0", choices=sorted(set(GGUF_TYPE.values())),
                         help="llama.cpp's drafter precision")
@@ -426,6 +426,8 @@ def main() -> None:
     prefix_tokens = {name: 0 for _, name in order}  # tokens agreeing with the reference until the first divergence
     compared = {name: 0 for _, name in order}  # tokens compared (up to the first end token of either)
     ends = set(manifest.eos_token_ids)
+    firsts = {name: runner.names[0] for runner in runners if runner.kind == "dspark" for name in runner.names}
+    same_as_first = dict.fromkeys(firsts, 0)  # greedy outputs equal to the same engine's first mode, token for token
     for runner, name in order:  # warm-up
         runner.generate(name, prompts[0], args.max_tokens)
     for round_ in range(args.rounds):
@@ -449,6 +451,8 @@ def main() -> None:
                     agree[name] += ours == theirs
                     prefix_tokens[name] += agreeing_prefix(ours, theirs)
                     compared[name] += len(ours)
+            for name, first in firsts.items():
+                same_as_first[name] += sum(a == b for a, b in zip(outputs[name], outputs[first]))
     for runner in runners:
         runner.close()
     medians = {name: float(np.median(values)) for name, values in speeds.items()}
@@ -466,6 +470,7 @@ def main() -> None:
         report[f"ttft_seconds_{len(ttft_prompt)}_tokens"] = {k: round(float(np.median(v)), 3) for k, v in ttft.items()}
     if args.temperature == 0:
         report[f"prompts_with_the_same_greedy_output_as_{reference}"] = agree  # up to the first end token
+        report["prompts_whose_greedy_output_equals_their_engines_first_mode"] = same_as_first
         report[f"share_of_tokens_agreeing_with_{reference}_until_the_first_divergence"] = {
             name: round(count / max(compared[name], 1), 3) for name, count in prefix_tokens.items()}
     print(json.dumps(report, indent=2))

@@ -162,7 +162,8 @@ def test_inspect_and_build_size_an_engine_alike(tmp_path, target, weights):
     """The context a KV budget holds and the weights' size: what `inspect` predicts is what `build` writes."""
     import json
 
-    options = ["--target-path", str(target), "--weights", weights, "--quant-block-size", "16", "--kv-memory", "96KiB"]
+    options = ["--target-path", str(target), "--weights", weights, "--quant-block-size", "16", "--kv-memory", "96KiB",
+               "--cache-slots", "8"]
     report = json.loads(CliRunner().invoke(main, ["inspect", *options, "--json"]).output)["memory"]
     assert build(*options, "--out", str(tmp_path / "e")).exit_code == 0
     manifest = read_manifest(tmp_path / "e")

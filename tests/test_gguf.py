@@ -135,7 +135,7 @@ def test_bad_gguf_files_fail_in_one_line(files, tmp_path):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(files["Q4_0"].read_bytes()[: 1 << 20])
     foreign = write_gguf(demo_dir(), tmp_path / "foreign.gguf", "Q8_0", architecture="gemma")
-    for file, message in ((truncated, "not a readable GGUF file"), (foreign, "architecture 'gemma' is not one"),
+    for file, message in ((truncated, "is not a valid GGUF file"), (foreign, "architecture 'gemma' is not one"),
                           (tmp_path / "missing.gguf", "does not exist")):
         result = CliRunner().invoke(export_main, ["build", "--target-path", str(file), "--no-drafter", "--out",
                                                   str(tmp_path / "engine")])

@@ -10,6 +10,12 @@ from pathlib import Path
 from dspark_common.errors import DSparkError
 
 
+DEMO_PROMPT = "A train travels 60 km each hour. How far does it travel in 4 hours?"  # one the demo drafts well
+DEMO_NOTE = ("The bundled demo: a 13.5M-parameter model this project trains on code, grade-school math and prose, "
+             "with its DSpark drafter. It is not an assistant and is often wrong; it is here to show speculation at "
+             "work.")
+
+
 def demo_prompts_path() -> Path:
     """The bundled demo's held-out prompts (60 per domain), the default of every benchmark command."""
     return Path(str(resources.files("dspark_common") / "assets" / "demo-prompts.jsonl"))

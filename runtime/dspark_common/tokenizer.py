@@ -1,13 +1,17 @@
 """Hugging Face tokenizer files (`tokenizer.json`, `tokenizer_config.json`) and the chat template.
 
 The chat template is rendered by jinja2 in a sandbox, with the same environment options and helpers
-as `transformers` (so Qwen3's own template renders unchanged), without importing transformers.
+as `transformers` (so Qwen3's own template renders unchanged), without importing transformers. A template comes
+with the model file, so its rendering is bounded: the text it writes, the items its loops draw from `range`, the
+strings and lists `*` makes, the widths of padding filters and the size of `**`; any failure is one
+`TokenizerError` for that request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -18,25 +22,120 @@ from dspark_common.errors import TokenizerError, read_json_file
 
 
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # Llama-3's template opens with {{ bos_token }}
+TEMPLATE_OUTPUT = 1 << 22  # characters a rendering may write (and a string or list `*` may make)
+TEMPLATE_ITEMS = 1 << 20  # items all of a rendering's `range` calls may yield together
+TEMPLATE_WIDTH = 1 << 12  # widths of `indent`, `center` and `tojson(indent=...)`
+TEMPLATE_POWER = 1 << 10  # the largest exponent of `**`
+
+
+class TemplateBoundError(Exception):
+    """A chat template went past one of the bounds above."""
 
 
 def _template_environment():  # jinja2 is imported only when a template is rendered
+    from jinja2.compiler import CodeGenerator
     from jinja2.exceptions import TemplateError
+    from jinja2.filters import do_center, do_format, do_indent
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str) -> None:
+    class BoundedCodeGenerator(CodeGenerator):
+        """`a ~ b` through `environment.concat`, which counts what it makes."""
+
+        def visit_Concat(self, node, frame) -> None:
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*`, `**`, `+`, `%`, `~` and `str.format` checked before they compute and `range`
+        counted."""
+
+        code_generator_class = BoundedCodeGenerator
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+        def __init__(self, **options: Any):
+            super().__init__(**options)
+            self.items = 0
+
+        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > TEMPLATE_POWER:
+                raise TemplateBoundError(f"** with an exponent of {right}")
+            if operator == "*":
+                for sized, count in ((left, right), (right, left)):
+                    if isinstance(sized, (str, list, tuple)) and isinstance(count, int) and \
+                            len(sized) * count > TEMPLATE_OUTPUT:
+                        raise TemplateBoundError(f"a {type(sized).__name__} repeated {count} times")
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                _sized(len(left) + len(right))
+            if operator == "%" and isinstance(left, str):
+                _check_format(left)
+            return super().call_binop(context, operator, left, right)
+
+        def concat(self, values: tuple) -> str:
+            text = "".join(str(value) for value in values)
+            return _sized(len(text)) and text
+
+        def wrap_str_format(self, value: Any):
+            wrapped = super().wrap_str_format(value)
+            if wrapped is not None:
+                _check_format(value.__self__)
+            return wrapped
+
+        def counted_range(self, *args: int):
+            for value in range(*args):
+                self.items += 1
+                if self.items > TEMPLATE_ITEMS:
+                    raise TemplateBoundError(f"loops over more than {TEMPLATE_ITEMS} items")
+                yield value
+
+    def raise_exception(message: str = "raise_exception() was called") -> None:
         raise TemplateError(message)
 
     def tojson(
         value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
     ) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=_width(indent), separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    env.filters["indent"] = lambda s, width=4, *args, **kwargs: do_indent(s, _width(width), *args, **kwargs)
+    env.filters["center"] = lambda value, width=80: do_center(value, _width(width))
+    env.filters["format"] = lambda value, *args, **kwargs: do_format(_check_format(value), *args, **kwargs)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["range"] = env.counted_range
     return env
+
+
+def _sized(length: int) -> bool:
+    """True, or TemplateBoundError for a string or list longer than TEMPLATE_OUTPUT."""
+    if length > TEMPLATE_OUTPUT:
+        raise TemplateBoundError(f"a value of {length} items or characters")
+    return True
+
+
+PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d*))?")
+BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _check_format(text: Any) -> Any:
+    """`text`, or TemplateBoundError when a width or precision in it (% or {} style) passes TEMPLATE_WIDTH."""
+    if isinstance(text, str):
+        numbers = [n for match in PERCENT_SPEC.finditer(text) for n in match.groups() if n]
+        numbers += [n for match in BRACE_SPEC.finditer(text) for n in re.findall(r"\d+", match.group(1))]
+        for number in numbers:
+            _width(int(number))
+    return text
+
+
+def _width(width: Any) -> Any:
+    """A padding width a template asks for, refused past TEMPLATE_WIDTH."""
+    if isinstance(width, int) and width > TEMPLATE_WIDTH:
+        raise TemplateBoundError(f"a width of {width}")
+    return width
 
 
 def _token_text(entry: Any) -> str | None:
@@ -132,14 +231,20 @@ class ChatTokenizer:
         """
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template; use plain completion instead")
-        from jinja2.exceptions import TemplateError
-
         try:
             template = _template_environment().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **(self.template_tokens | variables))
-        except TemplateError as exc:
-            raise TokenizerError(f"chat template failed: {exc}") from None
+            parts, written = [], 0
+            for part in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          **(self.template_tokens | variables)):
+                written += len(part)
+                if written > TEMPLATE_OUTPUT:
+                    raise TemplateBoundError(f"more than {TEMPLATE_OUTPUT} characters written")
+                parts.append(part)
+            return "".join(parts)
+        except TemplateBoundError as exc:
+            raise TokenizerError(f"chat template stopped: {exc}") from None
+        except Exception as exc:  # the template is the model file's code: any failure is this request's alone
+            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
 
 @lru_cache(maxsize=1)

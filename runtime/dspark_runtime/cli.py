@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import click
 
 from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
+from dspark_common.prompts import DEMO_NOTE, DEMO_PROMPT
 
 if TYPE_CHECKING:
     from dspark_runtime.engine import Completion, Engine
@@ -96,16 +98,12 @@ def main() -> None:
 
     \b
     dspark-run                      chat with the bundled demo (its engine is built on first use)
-    dspark-run ENGINE_DIR -p "hi"   one-shot answer
+    dspark-run ENGINE -p "hi"       one-shot answer (ENGINE: an engine folder)
+    dspark-run FILE.gguf            your model file, its engine built on first use (also ollama:NAME)
     """
 
 
-DEMO_PROMPT = "A train travels 60 km each hour. How far does it travel in 4 hours?"
-DEMO_INTRO = (
-    "The bundled demo: a 13.5M-parameter model this project trains on code, grade-school math and prose, with its\n"
-    "DSpark drafter. It is not an assistant and is often wrong; it is here to show speculation at work.\n"
-    "Try: {prompt}\n(press Enter to send it)"
-)
+DEMO_INTRO = DEMO_NOTE + "\nTry: {prompt}\n(press Enter to send it)"
 DRAFT_COLOUR = "cyan"
 
 
@@ -119,6 +117,14 @@ def summary_line(reply: Completion, speedup: float | None = None) -> str:
         f"{stats.accepted_per_step:.2f} drafts accepted/round ({stats.accepted} of {stats.verified} verified), "
         f"TTFT {(stats.ttft_s or 0) * 1e3:.0f} ms, {reply.completion_tokens} tokens, {reply.finish_reason}]"
     )
+
+
+CODE_START = re.compile(r"\s*(def |class |import |from \S+ import |#include|function |fn |func |package |public )")
+
+
+def looks_like_code(text: str) -> bool:
+    """A prompt that reads as the start of a program, which a chat template would wrap as a question."""
+    return bool(CODE_START.match(text)) or text.rstrip().endswith((":", "{", "(")) or "\n    " in text
 
 
 def wants_colour(no_color: bool) -> bool:
@@ -249,9 +255,12 @@ def chat(
             else:
                 click.echo()
                 click.echo(summary_line(session.last, engine.speedup_estimate(session.last.stats)), err=True)
+                if not completion and engine.tokenizer.chat_template and looks_like_code(prompt):
+                    click.echo("note: the prompt went to the model as a chat turn; --completion continues it as "
+                               "written (code, base models)", err=True)
             return
         click.echo(banner(engine, params, spec), err=True)
-        _repl(session, show, DEMO_PROMPT if engine_dir is None else None)
+        _repl(session, show, DEMO_PROMPT if engine.manifest.target_name == "demo" else None)
 
 
 class _Shown:
@@ -416,7 +425,7 @@ def profile(engine_dir, context, rounds, threads) -> None:
 
     with load_engine(engine_dir, threads, profile=False) as engine:
         total = len(target_sizes(decode_tokens(engine.manifest))) + (engine.manifest.cache_slots if engine.gamma else 0)
-        with tqdm(total=total, desc="profile", unit="size") as bar:
+        with tqdm(total=total, desc="profile", unit="size", disable=None) as bar:  # None: on a terminal only
             curve = engine.profile(context, rounds, lambda graph, n: bar.update())
     target, spread = curve["target_seconds"], curve["spread"]
     click.echo(f"target: {1e3 * target[0]:.2f} ms at 1 token, {1e3 * target[-1]:.2f} ms at {len(target)} tokens; "
@@ -468,7 +477,7 @@ def calibrate(engine_dir, rows, max_tokens, temperature, threads, bias, as_json)
     from dspark_common.sampling import SamplingParams
 
     with load_engine(engine_dir, threads) as engine:
-        with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json) as bar:
+        with tqdm(total=len(rows), desc="calibrate", unit="prompt", disable=as_json or None) as bar:
             report = run_calibration(engine, rows, SamplingParams(max_tokens=max_tokens, temperature=temperature), True,
                                      bar.update, bias)
     if as_json:

@@ -51,10 +51,10 @@ class EngineCore:
             None  # (request id, confidence logits, accepted) when recording
         )
         self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
-        self.drafting = Drafting(manifest, drafter, curve, sts, self._isolated, self._timed)
+        self.drafting = Drafting(manifest, drafter, curve, sts, self.isolated, self.timed)
         self.gamma = self.drafting.gamma
 
-    def _timed(self, part: str, call: Callable[..., Result], *args) -> Result:
+    def timed(self, part: str, call: Callable[..., Result], *args) -> Result:
         """`call(*args)`, its time added to `self.seconds[part]`."""
         started = time.perf_counter()
         try:
@@ -127,7 +127,7 @@ class EngineCore:
     def step(self) -> list[Sequence]:
         """One step for every active request; returns the requests that got tokens or finished."""
         self.changed = []
-        self._timed("step", self._step)
+        self.timed("step", self._step)
         return self.changed
 
     def _step(self) -> None:
@@ -137,11 +137,11 @@ class EngineCore:
             self.release(sequence)
         if not self.active:
             return
-        lengths = self._timed("schedule", self.drafting.schedule, [s for s in self.active if s.decoding])
+        lengths = self.timed("schedule", self.drafting.schedule, [s for s in self.active if s.decoding])
         rows, batch = lay_out(self.active, lengths, self.manifest, self.row_multiple)
-        outputs = self._timed("target", self.target.run, batch)
+        outputs = self.timed("target", self.target.run, batch)
         for row in rows:
-            self._isolated(row.sequence, self._advance, row, outputs)
+            self.isolated(row.sequence, self._advance, row, outputs)
         self.drafting.draft([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None],
                             self.active)
         for sequence in [s for s in self.active if s.finish_reason is not None]:
@@ -177,10 +177,7 @@ class EngineCore:
             s.stats.rounds += 1
             s.stats.verified += row.drafts
             s.stats.accepted += accepted
-        if s.free:
-            s.free_acceptance.add(row.drafts, accepted)
-            s.stats.free_accepted += accepted
-            s.drafts, s.free = None, False
+        self.drafting.verified(s, row.drafts, accepted)
         s.target_len += accepted + 1  # the anchor and the accepted drafts are now committed
         if features is not None and s.spec.drafting and self.gamma:
             s.pending_features[-1] = s.pending_features[-1][: accepted + 1]
@@ -219,7 +216,7 @@ class EngineCore:
         if reason:
             self.finish(s, reason)
 
-    def _isolated(self, sequence: Sequence, work: Callable[..., Result], *args) -> Result | None:
+    def isolated(self, sequence: Sequence, work: Callable[..., Result], *args) -> Result | None:
         """`work(*args)` for one request; an exception it raises fails that request alone (finish "error")."""
         try:
             return work(*args)

@@ -101,6 +101,14 @@ class Drafting:
         self.gate_steps["free"] += 1
         return verified, float(np.sum(rate ** np.arange(1, verified + 1)))
 
+    def verified(self, s: Sequence, verified: int, accepted: int) -> None:
+        """The target checked `verified` of the request's drafts and kept `accepted`: free drafts are spent, their
+        record kept (the drafter's stay until the next draft call replaces them)."""
+        if s.free:
+            s.free_acceptance.add(verified, accepted)
+            s.stats.free_accepted += accepted
+            s.drafts, s.free = None, False
+
     def _survival(self, logits: np.ndarray | None, temperature: float) -> np.ndarray:
         """Prefix survival from confidence logits, with the STS fit nearest the request's sampling temperature."""
         if logits is None:

@@ -202,7 +202,7 @@ class Engine:
         here = backend.machine()
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
                      here, exact_greedy)
-        elsewhere = curve is not None and curve.get("machine") != here
+        elsewhere = curve is not None and bool(_differences(curve, here))
         if drafter is not None and (curve is None or elsewhere):
             where = "once" if curve is None else f"again: {HARDWARE_CURVE} was measured {_described(curve, here)}"
             if profile:
@@ -507,10 +507,15 @@ class Engine:
         self.shutdown()
 
 
-def _described(curve: dict, here: dict) -> str:
-    """What differs between where a speed curve was measured and here, for a message."""
+def _differences(curve: dict, here: dict) -> list[str]:
+    """What differs between the machine a speed curve was measured on and this one, of what this one records (a
+    curve's other keys, such as an older DSpark's thread pool, do not count)."""
     record = curve.get("machine")
     if not isinstance(record, dict):
-        return "by an older DSpark that did not record the machine"
-    changed = [f"{key} {record.get(key)} (here: {value})" for key, value in here.items() if record.get(key) != value]
-    return "with " + ", ".join(changed)
+        return ["the machine (an older DSpark did not record it)"]
+    return [f"{key} {record.get(key)} (here: {value})" for key, value in here.items() if record.get(key) != value]
+
+
+def _described(curve: dict, here: dict) -> str:
+    """What differs between where a speed curve was measured and here, for a message."""
+    return "with " + ", ".join(_differences(curve, here))

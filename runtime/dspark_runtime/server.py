@@ -33,6 +33,7 @@ from typing import Any
 from dspark_runtime.engine import Completion, Engine, Request
 from dspark_runtime.output import Delta
 from dspark_common.errors import DSparkError, InvalidRequestError, MissingDependencyError
+from dspark_common.prompts import DEMO_NOTE, DEMO_PROMPT
 from dspark_common.sampling import MAX_LOGPROBS, SamplingParams
 from dspark_runtime.logprobs import TokenLogprob
 from dspark_common.tokenizer import ChatTokenizer
@@ -266,8 +267,10 @@ def create_app(engine: Engine, options: ServerOptions | str, default_spec: str |
             check_request(request.headers, "GET", options, public=True)
         except HTTPError as exc:
             return error(exc)
+        demo = engine.manifest.target_name == "demo"
         return JSONResponse({"status": "ok", "model": model_name, **engine.status(), "gamma": engine.gamma,
-                             "profiled": engine.has_speed_curve, "temperature": engine.default_params().temperature})
+                             "profiled": engine.has_speed_curve, "temperature": engine.default_params().temperature,
+                             "suggested_prompt": DEMO_PROMPT if demo else None, "note": DEMO_NOTE if demo else None})
 
     async def web(request: HttpRequest) -> Response:
         """The web chat's files (no API key to load them: the page asks for it when the API does)."""

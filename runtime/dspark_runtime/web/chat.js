@@ -27,6 +27,12 @@ async function loadInfo() {
   for (let k = 1; k <= (info.gamma || 0); k++) modes.push([`fixed:${k}`, `fixed:${k}`]);
   for (const [value, label] of modes) $("mode").append(new Option(label, value));
   $("temperature").value = info.temperature ?? 0;
+  state.suggestion = info.suggested_prompt || null;
+  if (state.suggestion) $("prompt").placeholder = `Try: ${state.suggestion} (Enter sends it)`;
+  if (info.note) {
+    $("note").textContent = info.note;
+    $("note").hidden = false;
+  }
 }
 
 function headers() {
@@ -121,7 +127,7 @@ async function send(text) {
 function start() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
-    const text = $("prompt").value.trim();
+    const text = $("prompt").value.trim() || (state.messages.length ? "" : state.suggestion || "");
     if (!text || state.controller) return;
     $("prompt").value = "";
     send(text);
