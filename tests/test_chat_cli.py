@@ -34,8 +34,8 @@ def test_interactive_chat(engine_dir):
     )
     child.expect(">>> ")
     child.sendline("def add(a, b):")
-    child.expect("def add")  # the terminal echoes the line; the reply is streaming now
-    time.sleep(0.1)
+    child.expect("def add")  # the terminal echoes the line as it is typed
+    time.sleep(0.5)  # the line read and the reply streaming (30,000 tokens take far longer)
     child.sendintr()  # Ctrl+C while the reply streams
     child.expect(r"\(interrupted\)")
     child.expect(r"\[[\d.]+ tok/s, (~[\d.]+x the target alone \(est\. from the speed curve\), )?[\d.]+ tokens/step, "

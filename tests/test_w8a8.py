@@ -24,13 +24,15 @@ from dspark_plugins.onnx_function import opset_imports
 K, N = 96, 80
 
 
-def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.ndarray | None = None):
-    """A session computing x @ weight^T (+ bias) as a w8a8 engine's `Weights.linear` emits it, and its store."""
+def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.ndarray | None = None,
+                   coupled_rows: bool = False):
+    """A session computing x @ weight^T (+ bias) as a w8a8 engine's `Weights.linear` emits it (a drafter's with
+    `coupled_rows`), and its store."""
     tensors = {"w": weight} | ({"b": bias} if bias is not None else {})
     graph_file = tmp_path / "g.onnx"
     store = ExternalData(graph_file)
     weights = Weights(lambda name: (tensors[name], "float32"), store, "float32",
-                      WeightFormat("w8a8", code_max=code_max))
+                      WeightFormat("w8a8", code_max=code_max), coupled_rows=coupled_rows)
     b = GraphBuilder()
     y = weights.linear(b, "x", "w", "b" if bias is not None else None)
     b.op("Identity", y, name="y")
@@ -38,7 +40,7 @@ def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.n
     graph = helper.make_graph(b.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
                               list(weights.initializers.values()))
-    model = helper.make_model(graph, opset_imports=opset_imports())
+    model = helper.make_model(graph, opset_imports=[*opset_imports(), helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, str(graph_file))
     onnx.checker.check_model(str(graph_file))
     session = ort.InferenceSession(str(graph_file), providers=["CPUExecutionProvider"])
@@ -84,6 +86,20 @@ def test_w8a8_adds_the_bias_and_shares_one_activation_quantization_per_input(tmp
     weights.linear(b, "x", "w")
     weights.linear(b, "x", "w")
     assert [node.op_type for node in b.nodes].count("ReduceMax") == 1
+
+
+def test_a_drafters_w8a8_product_is_one_fused_op_over_the_same_codes(tmp_path, weight):
+    """A drafter's projections (`coupled_rows`) quantize the whole input with one scale in ONNX Runtime's fused
+    `DynamicQuantizeMatMul` (no per-row ops: its drafts are guesses the target verifies), over the same weight codes:
+    close to the float product, the bias added."""
+    bias = np.linspace(-1, 1, N).astype(np.float32)
+    session, weights = one_projection(tmp_path, weight, bias=bias, coupled_rows=True)
+    b = GraphBuilder()
+    weights.linear(b, "x", "w")
+    assert [node.op_type for node in b.nodes] == ["DynamicQuantizeMatMul"]
+    x = np.random.default_rng(5).standard_normal((6, K)).astype(np.float32)
+    exact = x @ weight.T + bias
+    assert np.abs(session.run(None, {"x": x})[0] - exact).max() / np.abs(exact).max() < 0.03
 
 
 def test_seven_bit_codes_cannot_saturate_an_int16_pair_of_products(tmp_path, weight):

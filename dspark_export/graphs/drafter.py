@@ -47,7 +47,7 @@ def build_drafter_onnx(source: DrafterSource, target: Checkpoint, graph_file: st
     shared = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": target.lm_head_name()}
     shared = {ours: theirs for ours, theirs in shared.items() if ours in config.shared_names()}
     stream = Weights(drafter_reader(source, target, shared), store, "float32", weights, strict=False,
-                     lender=target_graph, borrowed=shared)
+                     lender=target_graph, borrowed=shared, coupled_rows=True)
     b = GraphBuilder()
     ops = DecoderOps(b, stream, t.rms_norm_eps, TensorProto.FLOAT, t.head_dim)
     sampler = Sampler(b, config.drafted_vocab, greedy_shortcut, source.target_ids(), t.vocab_size)

@@ -233,11 +233,15 @@ class Weights:
         lender: "Weights | None" = None,
         borrowed: dict[str, str] | None = None,
         carrier: Carrier | None = None,
+        coupled_rows: bool = False,
     ):
         """`lender` holds another graph's initializers (`lend_from`): the tensors `borrowed` maps (our name -> its
         name) are used from there, in its format and dtype, and stored once for both graphs. With a quantized format,
         a `carrier`'s own quantized matrices (a GGUF's Q4_0, Q8_0, Q6_K) are stored as they are, in their own
-        layout, not quantized again."""
+        layout, not quantized again. `coupled_rows`: w8a8 products may quantize all rows of an input with one scale
+        (ONNX Runtime's fused `DynamicQuantizeMatMul`, no per-row ops): a row then depends on its batch, which a
+        drafter may (its drafts are guesses the target verifies, drawn from what it returns), a target not."""
+        self.coupled_rows = coupled_rows
         self.read, self.store, self.dtype, self.format, self.progress = read, store, dtype, weight_format, progress
         self.carrier = carrier
         self.strict, self.lender, self.borrowed = strict, lender, (borrowed or {}) if lender else {}
@@ -362,6 +366,9 @@ class Weights:
         """x @ W^T in w8a8: x's rows quantized to int8 (`_row_codes`), an integer `MatMulInteger` with the int8
         weights, then the row's and the output channel's scales (and the bias)."""
         codes, scales = self._channels(names)
+        if self.coupled_rows:
+            return b.op("DynamicQuantizeMatMul", x, codes, scales, "", *([self._tensor(biases)] if biases else []),
+                        domain="com.microsoft")
         row_codes, row_scales = self._row_codes(b, x)
         product = b.op("MatMulInteger", row_codes, codes, b.const(ACTIVATION_ZERO, np.uint8))
         y = b.op("Mul", b.op("Mul", b.op("Cast", product, to=TensorProto.FLOAT), scales), row_scales)
