@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,8 +30,9 @@ def dspark_run(*args: str) -> list[str]:
 def test_interactive_chat(engine_dir):
     """Replies of up to 30,000 tokens: whatever the machine's speed or load, Ctrl+C lands while one streams."""
     command = dspark_run(str(engine_dir), "--temp", "0", "-n", "30000", "--threads", "1")
-    child = pexpect.spawn(
-        command[0], command[1:], encoding="utf-8", timeout=60, env={"OMP_NUM_THREADS": "1", "PATH": ""}
+    child = pexpect.spawn(  # Ctrl+C must reach it even when the suite runs where SIGINT is ignored (in background)
+        command[0], command[1:], encoding="utf-8", timeout=60, env={"OMP_NUM_THREADS": "1", "PATH": ""},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     child.expect(">>> ")
     child.sendline("def add(a, b):")
