@@ -7,14 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from dspark_common.engine_dir import MANIFEST, read_manifest
 from dspark_common.errors import CheckpointError, ConfigError, EngineError
-
-if TYPE_CHECKING:
-    from dspark_export.graphs.weights import WeightFormat
-    from dspark_export.presets import TargetSpec
 
 
 def demo_engine() -> Path:
@@ -39,6 +34,7 @@ def model_engine(model: str | None, drafter: str | None = None) -> Path:
     decoding), built on first use with the file's own weights, which lines on stderr announce."""
     from dspark_export.build import build_engine, default_engine_dir, source_digests
     from dspark_export.drafters.bundled import matching_drafter, resolve_drafter
+    from dspark_export.graphs.weights import WeightFormat
     from dspark_export.presets import resolve_target
     from dspark_export.sizing import DESKTOP_SLOTS
 
@@ -52,8 +48,9 @@ def model_engine(model: str | None, drafter: str | None = None) -> Path:
             "no drafter fits this target, so plain decoding (name one with --drafter)"
         print(f"building an engine of {model} into {folder} (first use; {with_drafter})...", file=sys.stderr)
         try:
-            build_engine(spec, folder, drafter_dir, drafter, force=True, weights=_file_format(spec),
-                         cache_slots=DESKTOP_SLOTS, show_progress=sys.stderr.isatty())
+            weights = spec.weights and WeightFormat(spec.weights)  # the file's own (Q4_0 -> int4...); else float
+            build_engine(spec, folder, drafter_dir, drafter, force=True, weights=weights, cache_slots=DESKTOP_SLOTS,
+                         show_progress=sys.stderr.isatty())
         except ConfigError as exc:
             raise ConfigError(f"{exc} (drafter {drafter})") from None
     return folder
@@ -70,13 +67,6 @@ def _model_reference(model: str) -> str:
         if path.is_dir() else "does not exist"
     raise CheckpointError(f"{model} {what}; give an engine folder, a GGUF file or a model folder, or build an engine "
                           "with `dspark-export build --target-path MODEL --out DIR`")
-
-
-def _file_format(spec: TargetSpec) -> WeightFormat:
-    """The weight format a file carries (Q4_0 -> int4 ...), or the float format of a safetensors folder."""
-    from dspark_export.cli import weight_format
-
-    return weight_format("float32", spec.weights, 32)
 
 
 def _last_change(weights: Path) -> float:

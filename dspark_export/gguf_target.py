@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from dspark_export.config import ARCHITECTURES, DecoderConfig, llama3_scaled
 from dspark_export.gguf_checks import FLOAT, INTEGER, check_file, check_tokenizer
 from dspark_export.gguf_reader import ARRAY, BOOL, FLOATS, INTEGERS, STRING, GGUFContents, read_gguf, type_name
 from dspark_export.graphs.weights import Carried, Layout, WeightFormat
-from dspark_export.staging import process_alive
+from dspark_export.staging import remove_orphans
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
@@ -124,6 +124,11 @@ class GGUFFile:
                                       f"{self.architecture} decoder")
             self.tensors[name] = tensor
         check_file(self)
+
+    @cached_property
+    def tokenizer(self) -> tuple[list[str], np.ndarray, list[tuple[str, str]]]:
+        """The tokens, their types and the merges, checked once (`check_tokenizer`)."""
+        return check_tokenizer(self)
 
     def has(self, key: str) -> bool:
         return key in self.contents.fields
@@ -242,7 +247,7 @@ def tokenizer_json(gguf: GGUFFile) -> str:
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{gguf.file.name}: tokenizer {model}/{pre} is not one DSpark rebuilds (it reads gpt2 "
                               f"byte-level BPE with pre-tokenizer {', '.join(PRE_TOKENIZERS)})")
-    tokens, kinds, merges = check_tokenizer(gguf)
+    tokens, kinds, merges = gguf.tokenizer
     vocab = {token: index for index, (token, kind) in enumerate(zip(tokens, kinds)) if kind != UNUSED}
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     pattern = PRE_TOKENIZERS[pre]
@@ -257,7 +262,7 @@ def tokenizer_json(gguf: GGUFFile) -> str:
 
 def tokenizer_config(gguf: GGUFFile) -> dict:
     """tokenizer_config.json: the end, padding and (when the file adds it) beginning tokens, and the chat template."""
-    tokens, _, _ = check_tokenizer(gguf)
+    tokens, _, _ = gguf.tokenizer
     named = lambda key: tokens[gguf.field(key)] if gguf.has(key) else None  # noqa: E731  (ids checked in range)
     config = {"eos_token": named("tokenizer.ggml.eos_token_id"), "pad_token": named("tokenizer.ggml.padding_token_id"),
               "bos_token": named("tokenizer.ggml.bos_token_id")
@@ -288,7 +293,7 @@ def _opened(file: Path, stamp: tuple[int, int] | None) -> GGUFFile:
     return GGUFFile(file)
 
 
-SIDE_FOLDER = "dspark-gguf-{pid}-"  # a prepared side folder's prefix: the process that made it
+SIDE_FOLDER = "dspark-gguf-"  # a prepared side folder's prefix; its suffix names the process that made it
 
 
 def prepare(file: str | Path) -> tuple[Path, GGUFFile]:
@@ -297,21 +302,14 @@ def prepare(file: str | Path) -> tuple[Path, GGUFFile]:
     died without removing theirs (killed) are removed first."""
     file = _resolved(file)
     gguf = open_gguf(file)
-    _remove_orphaned_side_folders()
-    folder = Path(tempfile.mkdtemp(prefix=SIDE_FOLDER.format(pid=os.getpid())))
+    remove_orphans(Path(tempfile.gettempdir()).glob(SIDE_FOLDER + "*"))
+    folder = Path(tempfile.mkdtemp(prefix=SIDE_FOLDER, suffix=f"-{os.getpid()}"))
     atexit.register(shutil.rmtree, folder, True)
     (folder / "config.json").write_text(json.dumps(gguf.hf_config(), indent=1))
     (folder / "tokenizer.json").write_text(tokenizer_json(gguf), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf), indent=1), encoding="utf-8")
     (folder / GGUF_FILE).symlink_to(file)
     return folder, gguf
-
-
-def _remove_orphaned_side_folders() -> None:
-    for folder in Path(tempfile.gettempdir()).glob(SIDE_FOLDER.format(pid="*")):
-        pid = folder.name.split("-")[2]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- the weights -----------------------------------------------------------------------------------------------

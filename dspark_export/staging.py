@@ -7,16 +7,23 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process `pid` runs (another user's counts)."""
+def remove_orphans(folders: Iterable[Path]) -> None:
+    """Remove the folders named `...-PID` whose process is gone (killed before it could remove them)."""
+    for folder in folders:
+        pid = folder.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
         return True
     return True
 
@@ -26,10 +33,7 @@ def staged(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; on success it replaces `out`, on any error it is removed. Ones left
     by killed builds of `out` (their process gone) are removed first."""
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    for stale in out.parent.glob(f".{out.name}.partial-*") if out.parent.is_dir() else ():
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_orphans(out.parent.glob(f".{out.name}.partial-*") if out.parent.is_dir() else ())
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
