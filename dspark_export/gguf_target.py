@@ -5,8 +5,8 @@
 side folder with `config.json`, `tokenizer.json` and `tokenizer_config.json` made from the file's metadata, and
 the file itself linked in as `model.gguf`. `GGUFCheckpoint` hands out its tensors by their Hugging Face names:
 F32/F16/BF16 as stored, every quantized type dequantized a few rows at a time, and Q4_0, Q8_0, Q6_K, Q4_K and Q5_K
-also as `MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the file's
-own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a signed byte, in blocks of 32 with one float16
+also as `MatMulNBits` codes and scales in their own layout (`carried`), so that a quantized engine computes with the
+file's own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a signed byte, in blocks of 32 with one float16
 scale (MatMulNBits' layout once the nibbles are re-paired and the bytes offset by 128); Q6_K is d·s·(q - 32) per
 16 weights (8-bit codes in blocks of 16 with zero point 32); Q4_K and Q5_K are d·sc·q - dmin·m per 32 weights (codes
 with zero point 0, scales d·sc, and offsets -dmin·m that their products add as a float product with the input's
