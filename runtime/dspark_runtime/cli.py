@@ -424,12 +424,13 @@ def profile(engine_dir, context, rounds, threads) -> None:
     from dspark_runtime.profiling import decode_tokens, target_sizes
 
     with load_engine(engine_dir, threads, profile=False) as engine:
-        total = len(target_sizes(decode_tokens(engine.manifest))) + (engine.manifest.cache_slots if engine.gamma else 0)
+        total = len(target_sizes(decode_tokens(engine.manifest))) + (2 * engine.manifest.cache_slots if engine.gamma else 0)
         with tqdm(total=total, desc="profile", unit="size", disable=None) as bar:  # None: on a terminal only
             curve = engine.profile(context, rounds, lambda graph, n: bar.update())
     target, spread = curve["target_seconds"], curve["spread"]
     click.echo(f"target: {1e3 * target[0]:.2f} ms at 1 token, {1e3 * target[-1]:.2f} ms at {len(target)} tokens; "
-               f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request; largest spread between rounds "
+               f"drafter: {1e3 * curve['draft_seconds'][0]:.2f} ms for 1 request sampling, "
+               f"{1e3 * curve['greedy_draft_seconds'][0]:.2f} ms greedy; largest spread between rounds "
                f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
     for note in profile_notes(curve, engine.manifest.weights):

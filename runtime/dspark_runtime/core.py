@@ -137,11 +137,14 @@ class EngineCore:
             self.release(sequence)
         if not self.active:
             return
+        started, decoding_only = time.perf_counter(), all(s.decoding for s in self.active)
         lengths = self.timed("schedule", self.drafting.schedule, [s for s in self.active if s.decoding])
         rows, batch = lay_out(self.active, lengths, self.manifest, self.row_multiple)
         outputs = self.timed("target", self.target.run, batch)
         for row in rows:
             self.isolated(row.sequence, self._advance, row, outputs)
+        if decoding_only:  # what this step cost in the loop (prefill steps aside), its drafter call apart
+            self.drafting.step_cost(len(batch.input_ids), time.perf_counter() - started)
         self.drafting.draft([s for s in self.active if s.decoding and s.spec.drafting and s.finish_reason is None],
                             self.active)
         for sequence in [s for s in self.active if s.finish_reason is not None]:

@@ -5,6 +5,7 @@ verification to draft from the new anchors."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Callable
 
@@ -13,6 +14,7 @@ import numpy as np
 from dspark_calibration.sts import prefix_survival
 from dspark_common.engine_dir import Manifest
 from dspark_runtime.batches import DraftBatch, DraftRequest
+from dspark_runtime.loop_costs import LoopCosts
 from dspark_runtime.ngram import LONGEST, NgramIndex, drafts_worth_verifying
 from dspark_runtime.priors import Priors
 from dspark_runtime.runner import GraphRunner
@@ -39,9 +41,25 @@ class Drafting:
         self.set_curve(curve)
 
     def set_curve(self, curve: SpeedCurve | None) -> None:
+        """Decide from `curve` (as profiled), repriced by what steps cost in the loop (`LoopCosts`)."""
         self.curve = curve
-        self.async_scheduler = AsyncScheduler(curve, self.gamma) if curve is not None else None
-        self.gate = DraftGate(curve, self.gamma) if curve is not None else None
+        self.loop_costs = LoopCosts(curve) if curve is not None else None
+        self.priced = self.loop_costs.priced(sampling=True) if curve is not None else None  # this step's curve
+        self.async_scheduler = AsyncScheduler(self.priced, self.gamma) if curve is not None else None
+        self.gate = DraftGate(self.priced, self.gamma) if curve is not None else None
+
+    def _price(self, decoding: list[Sequence]) -> None:
+        """Price this step by the curve of its drafter calls (sampling where any request samples) and the loop's
+        costs."""
+        priced = self.loop_costs.priced(any(s.params.temperature > 0 for s in decoding))
+        if priced is not self.priced:
+            self.priced = self.async_scheduler.curve = priced
+            self.gate.reprice(priced)
+
+    def step_cost(self, tokens: int, seconds: float) -> None:
+        """A decoding step of `tokens` tokens took `seconds` in the loop, before its drafter call."""
+        if self.loop_costs is not None:
+            self.loop_costs.target_step(tokens, seconds)
 
     def admit(self, sequence: Sequence) -> None:
         """A request takes a slot: a `sync`/`async` one starts from the priors at its temperature."""
@@ -58,6 +76,8 @@ class Drafting:
     def schedule(self, decoding: list[Sequence]) -> dict[int, int]:
         """Drafts to verify per decoding request (request id -> ℓ), within the request's limits."""
         lengths = {}
+        if self.curve is not None:
+            self._price(decoding)
         scheduled: dict[str, list[Sequence]] = {kind: [] for kind in SCHEDULED}
         for s in decoding:
             if s.drafts is None or not s.spec.drafting:
@@ -71,7 +91,7 @@ class Drafting:
                 continue
             survival = np.stack([s.survival for s in group])
             if kind == "sync":
-                chosen = schedule_sync(survival, self.curve, self.gamma)
+                chosen = schedule_sync(survival, self.priced, self.gamma)
             else:
                 chosen = self.async_scheduler.schedule(survival)
             lengths.update({s.request_id: int(n) for s, n in zip(group, chosen)})
@@ -93,7 +113,7 @@ class Drafting:
         them, and the tokens they are expected to add."""
         proposed = s.ngrams.lookup(self.gamma or LONGEST)
         rate = s.free_acceptance.rate
-        verified = drafts_worth_verifying(len(proposed), rate, self.curve, tokens, expected)
+        verified = drafts_worth_verifying(len(proposed), rate, self.priced, tokens, expected)
         if not verified:
             return 0, 0.0
         s.drafts, s.draft_probs, s.free = proposed, None, True
@@ -154,6 +174,7 @@ class Drafting:
     def _draft(self, sequences: list[Sequence], active: list[Sequence]) -> None:
         if not sequences or not self.gamma:
             return
+        started = time.perf_counter()
         cache_len = np.zeros(self.manifest.cache_slots, dtype=np.int64)
         for s in active:
             cache_len[s.slot] = s.drafter_len
@@ -171,6 +192,9 @@ class Drafting:
             s.survival = self._survival(s.confidence_logits, s.params.temperature)
             s.drafter_len = s.target_len
             s.pending_features = []
+        if self.loop_costs is not None:
+            self.loop_costs.drafter_call(len(batch.requests), sum(len(r.features) for r in batch.requests),
+                                         any(r.temperature > 0 for r in batch.requests), time.perf_counter() - started)
 
     def _draft_request(self, s: Sequence) -> DraftRequest:
         return DraftRequest(

@@ -50,8 +50,9 @@ def target_batch(manifest: Manifest, tokens: int, context: int) -> TargetBatch:
 
 
 def draft_batch(drafter: GraphRunner, manifest: Manifest, requests: int, context: int,
-                new_context: int = PROFILED_CONTEXT_ROWS) -> DraftBatch:
-    """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones."""
+                new_context: int = PROFILED_CONTEXT_ROWS, temperature: float = 1.0) -> DraftBatch:
+    """A drafter call for `requests` requests, each bringing `new_context` positions after `context` cached ones,
+    sampling at `temperature` (0: the all-greedy call, which skips the distributions)."""
     width = drafter.io.input("context_features").shape[1]
     cache_len = np.zeros(manifest.cache_slots, dtype=np.int64)
     cache_len[:requests] = context
@@ -64,7 +65,7 @@ def draft_batch(drafter: GraphRunner, manifest: Manifest, requests: int, context
                 context_start=context,
                 features=np.zeros((new_context, width), np.float32),
                 next_tokens=[5] * new_context,
-                temperature=1.0,
+                temperature=temperature,
                 noise=np.full(manifest.gamma, 0.5),
             )
             for slot in range(requests)
@@ -97,7 +98,7 @@ def one_row_drift(target: GraphRunner, manifest: Manifest, context: int) -> floa
 
 def profile(target: GraphRunner, drafter: GraphRunner | None, manifest: Manifest, folder: Path, machine_record: dict,
             context: int = 256, rounds: int = 5, progress: Callable[[str, int], None] | None = None) -> dict:
-    """Measure both tables in `rounds` interleaved rounds on the engine's runners (their caches are overwritten: no
+    """Measure the tables (target; drafter sampling and all-greedy) in `rounds` interleaved rounds on the engine's runners (their caches are overwritten: no
     request may hold a slot) and write `hardware_curve.json` into the engine directory, with `machine_record` (the
     backend's `machine()`) and the largest spread between rounds of each table."""
     context = min(context, manifest.max_context - manifest.max_batch_tokens - manifest.gamma - 1)
@@ -105,12 +106,19 @@ def profile(target: GraphRunner, drafter: GraphRunner | None, manifest: Manifest
     sizes = target_sizes(decode_tokens(manifest))
     timed = cost_table(sizes, lambda b: lambda: target.run(target_batch(manifest, b, context)), rounds,
                        progress=progress and (lambda n: progress("target", n)))
-    draft_seconds, draft_spread, per_row = np.zeros(manifest.cache_slots), 0.0, 0.0
+    draft_seconds = greedy_seconds = np.zeros(manifest.cache_slots)
+    draft_spread, per_row = 0.0, 0.0
     if drafter is not None:
-        draft = cost_table(range(1, manifest.cache_slots + 1),
-                           lambda r: lambda: drafter.run(draft_batch(drafter, manifest, r, context)), rounds,
-                           progress=progress and (lambda n: progress("drafter", n)))
-        draft_seconds, draft_spread = draft.seconds, float(draft.spreads.max())
+        def drafter_table(temperature: float):
+            return cost_table(range(1, manifest.cache_slots + 1),
+                              lambda r: lambda: drafter.run(draft_batch(drafter, manifest, r, context,
+                                                                        temperature=temperature)),
+                              rounds, progress=progress and (lambda n: progress("drafter", n)))
+
+        # calls that sample, and all-greedy ones (they skip the distributions: cheaper, priced apart)
+        sampled, greedy = drafter_table(1.0), drafter_table(0.0)
+        draft_seconds, greedy_seconds = sampled.seconds, greedy.seconds
+        draft_spread = float(max(sampled.spreads.max(), greedy.spreads.max()))
         # what each further new context position costs (a drafter call after plain steps reads them all)
         requests, extra = min(4, manifest.cache_slots), 32
         batch = draft_batch(drafter, manifest, requests, context, PROFILED_CONTEXT_ROWS + extra)
@@ -119,6 +127,7 @@ def profile(target: GraphRunner, drafter: GraphRunner | None, manifest: Manifest
     curve = {
         "target_seconds": [round(float(t), 7) for t in np.interp(np.arange(1, sizes[-1] + 1), sizes, timed.seconds)],
         "draft_seconds": [round(float(t), 7) for t in draft_seconds],
+        "greedy_draft_seconds": [round(float(t), 7) for t in greedy_seconds],
         "draft_seconds_per_context_row": round(per_row, 9),
         "spread": {"target": round(float(timed.spreads.max()), 3), "drafter": round(draft_spread, 3)},
         "context": context,

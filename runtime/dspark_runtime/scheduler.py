@@ -26,16 +26,27 @@ PROFILED_CONTEXT_ROWS = 3  # new context positions per request in the drafter's 
 @dataclass(frozen=True)
 class SpeedCurve:
     """Measured step costs: target_seconds[B - 1] for B tokens, draft_seconds[R - 1] for R requests (each
-    bringing PROFILED_CONTEXT_ROWS new context positions), and the drafter's cost per further position."""
+    bringing PROFILED_CONTEXT_ROWS new context positions) in calls that sample, greedy_draft_seconds[R - 1] in
+    all-greedy calls (which skip the distributions; None in curves profiled before they were timed apart), and the
+    drafter's cost per further position."""
 
     target_seconds: np.ndarray
     draft_seconds: np.ndarray
     draft_seconds_per_context_row: float = 0.0
+    greedy_draft_seconds: np.ndarray | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> "SpeedCurve":
+        greedy = data.get("greedy_draft_seconds")
         return cls(np.asarray(data["target_seconds"]), np.asarray(data["draft_seconds"]),
-                   float(data.get("draft_seconds_per_context_row", 0.0)))
+                   float(data.get("draft_seconds_per_context_row", 0.0)), greedy and np.asarray(greedy))
+
+    def priced(self, sampling: bool, target_extra: float = 0.0, draft_extra: float = 0.0) -> "SpeedCurve":
+        """The curve steps are priced by: the drafter's table for calls that sample or not, and each table plus
+        what the step loop adds to it (`dspark_runtime.loop_costs`), never below half the profiled cost."""
+        draft = self.draft_seconds if sampling or self.greedy_draft_seconds is None else self.greedy_draft_seconds
+        return SpeedCurve(np.maximum(self.target_seconds + target_extra, self.target_seconds / 2),
+                          np.maximum(draft + draft_extra, draft / 2), self.draft_seconds_per_context_row)
 
     @staticmethod
     def _lookup(table: np.ndarray, index):
@@ -162,6 +173,10 @@ class DraftGate:
         self.declined: tuple[np.ndarray, ...] | None = None  # the survivals drafting last lost with
         self.steady_pays = False  # whether the last survivals asked about would pay, catch-up aside
         self.costs: dict[int, _LoadCosts] = {}  # by request count
+
+    def reprice(self, curve: SpeedCurve) -> None:
+        """Decide from `curve` from now on (what it priced with the old one is forgotten)."""
+        self.curve, self.costs, self.declined = curve, {}, None
 
     def _costs(self, requests: int) -> _LoadCosts:
         costs = self.costs.get(requests)
