@@ -326,6 +326,7 @@ def test_profile_then_scheduled_modes_stay_lossless(tmp_path_factory):
     assert len(curve["target_seconds"]) == 8 * (3 + 1) and np.all(np.diff(curve["target_seconds"]) >= 0)
     assert curve["machine"]["threads"] == 1 and "spread between rounds" in result.output
     assert len(curve["draft_seconds"]) == 8 and curve["draft_seconds_per_context_row"] >= 0
+    assert len(curve["greedy_draft_seconds"]) == 8 and "ms greedy" in result.output  # all-greedy calls timed apart
     assert curve["one_row_drift"] == 0.0 and "note: on this CPU" not in result.output  # fp32: one kernel for both
     with Engine.load(engine_dir, OrtBackend(threads=1)) as engine:
         for prompt in PROMPTS[:3]:
