@@ -424,7 +424,8 @@ def profile(engine_dir, context, rounds, threads) -> None:
     from dspark_runtime.profiling import decode_tokens, target_sizes
 
     with load_engine(engine_dir, threads, profile=False) as engine:
-        total = len(target_sizes(decode_tokens(engine.manifest))) + (2 * engine.manifest.cache_slots if engine.gamma else 0)
+        drafter_sizes = 2 * engine.manifest.cache_slots if engine.gamma else 0  # sampling and all-greedy tables
+        total = len(target_sizes(decode_tokens(engine.manifest))) + drafter_sizes
         with tqdm(total=total, desc="profile", unit="size", disable=None) as bar:  # None: on a terminal only
             curve = engine.profile(context, rounds, lambda graph, n: bar.update())
     target, spread = curve["target_seconds"], curve["spread"]

@@ -43,10 +43,12 @@ class Drafting:
     def set_curve(self, curve: SpeedCurve | None) -> None:
         """Decide from `curve` (as profiled), repriced by what steps cost in the loop (`LoopCosts`)."""
         self.curve = curve
-        self.loop_costs = LoopCosts(curve) if curve is not None else None
-        self.priced = self.loop_costs.priced(sampling=True) if curve is not None else None  # this step's curve
-        self.async_scheduler = AsyncScheduler(self.priced, self.gamma) if curve is not None else None
-        self.gate = DraftGate(self.priced, self.gamma) if curve is not None else None
+        self.loop_costs = self.priced = self.async_scheduler = self.gate = None
+        if curve is not None:
+            self.loop_costs = LoopCosts(curve)
+            self.priced = self.loop_costs.priced(sampling=True)  # this step's curve
+            self.async_scheduler = AsyncScheduler(self.priced, self.gamma)
+            self.gate = DraftGate(self.priced, self.gamma)
 
     def _price(self, decoding: list[Sequence]) -> None:
         """Price this step by the curve of its drafter calls (sampling where any request samples) and the loop's

@@ -98,9 +98,10 @@ def one_row_drift(target: GraphRunner, manifest: Manifest, context: int) -> floa
 
 def profile(target: GraphRunner, drafter: GraphRunner | None, manifest: Manifest, folder: Path, machine_record: dict,
             context: int = 256, rounds: int = 5, progress: Callable[[str, int], None] | None = None) -> dict:
-    """Measure the tables (target; drafter sampling and all-greedy) in `rounds` interleaved rounds on the engine's runners (their caches are overwritten: no
-    request may hold a slot) and write `hardware_curve.json` into the engine directory, with `machine_record` (the
-    backend's `machine()`) and the largest spread between rounds of each table."""
+    """Measure the tables (the target's; the drafter's in calls that sample and all-greedy ones) in `rounds`
+    interleaved rounds on the engine's runners (their caches are overwritten: no request may hold a slot) and write
+    `hardware_curve.json` into the engine directory, with `machine_record` (the backend's `machine()`) and the
+    largest spread between rounds of each table."""
     context = min(context, manifest.max_context - manifest.max_batch_tokens - manifest.gamma - 1)
     context = max(context, 0)
     sizes = target_sizes(decode_tokens(manifest))
