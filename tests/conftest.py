@@ -161,6 +161,16 @@ def write_curve(folder: Path, target_seconds: list[float], draft_seconds: list[f
     (folder / "hardware_curve.json").write_text(json.dumps(curve))
 
 
+@pytest.fixture
+def curve_as_written(monkeypatch):
+    """Engines decide from the curve `write_curve` wrote: what steps cost in the loop is not recorded
+    (`dspark_runtime.loop_costs`), so a stand-in curve's decisions do not depend on this machine's speed."""
+    from dspark_runtime.loop_costs import LoopCosts
+
+    monkeypatch.setattr(LoopCosts, "target_step", lambda self, tokens, seconds: None)
+    monkeypatch.setattr(LoopCosts, "drafter_call", lambda self, requests, context_rows, sampling, seconds: None)
+
+
 # ---- losslessness: the target graph's exact joint of the first two tokens, and sampled pairs against it ----
 
 from dspark_runtime import SamplingParams  # noqa: E402

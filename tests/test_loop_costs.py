@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.loop_costs import REPRICE_STEPS, WEIGHT, LoopCosts
+from dspark_runtime.loop_costs import REPRICE_STEPS, SIZE_STEPS, WEIGHT, LoopCosts
 from dspark_runtime.scheduler import DraftGate, SpeedCurve
 
 FLAT = np.ones(8)  # verifying up to 8 tokens costs one step of 1 s
@@ -36,7 +36,8 @@ def test_the_loop_reprices_every_few_steps_from_its_running_means():
         if step < REPRICE_STEPS:
             assert costs.priced(False) is first  # the same curve between repricings
     kept = 1 - (1 - WEIGHT) ** REPRICE_STEPS
-    assert costs.priced(False).target_time(4) == pytest.approx(1 + 0.5 * kept)
+    assert costs.priced(False).target_time(3) == pytest.approx(1 + 0.5 * kept)  # sizes not run: the overall mean
+    assert costs.priced(False).target_time(4) == pytest.approx(1.5)  # the size run: its own mean
     assert costs.priced(False).draft_time(1) == pytest.approx(1 + 0.8 * kept)
     assert costs.priced(True).draft_time(1) == 1.0  # calls that sample have their own record: none yet
 
@@ -55,3 +56,17 @@ def test_a_drafter_dearer_in_the_loop_than_in_its_profile_turns_the_gate():
         costs.target_step(8, 1.0)
         costs.drafter_call(2, 0, sampling=True, seconds=2.0)  # twice its profile
     assert not DraftGate(costs.priced(True)).worth_drafting(tuple(survival))  # 5.904 / (1 + 2) < 2
+
+
+def test_a_curve_that_misstates_one_more_token_is_corrected_by_the_sizes_the_loop_runs():
+    curve = SpeedCurve(np.array([1.0, 1.1, 1.2, 1.5, 1.51, 1.6, 1.7, 1.8]), np.array([1.0]))  # t(5) - t(4) read 0.01
+    costs = LoopCosts(curve)
+    for _ in range(SIZE_STEPS):
+        costs.target_step(4, 1.5)  # in the loop: as profiled
+        costs.target_step(5, 1.8)  # 0.29 above
+    costs.steps = REPRICE_STEPS - 1
+    costs.target_step(2, 1.1)  # the next repricing
+    priced = costs.priced(True)
+    assert priced.target_time(5) - priced.target_time(4) == pytest.approx(0.3)
+    assert np.all(np.diff(priced.target_seconds) >= 0)  # still non-decreasing
+    assert priced.target_time(8) == pytest.approx(1.8 + costs.target_extra)  # unseen sizes: the overall mean

@@ -73,8 +73,9 @@ def test_scheduled_sampling_matches_the_target(skewed_engine_dir, tmp_path, spec
     assert 0.05 * SAMPLES < verified < 0.95 * SAMPLES, verified
 
 
-def test_free_drafts_sample_the_target_and_unchecked_drafts_fail(skewed_engine_dir, tmp_path, monkeypatch):
-    """A drafter too costly to ever run leaves `async` with free drafts alone. The prompt ends with a token x its
+def test_free_drafts_sample_the_target_and_unchecked_drafts_fail(skewed_engine_dir, tmp_path, monkeypatch,
+                                                                  curve_as_written):
+    """A drafter too costly to ever run leaves `async` with free drafts alone (the curve as written). The prompt ends with a token x its
     target tends to repeat; after a first x, the lookup finds [x x] earlier and proposes the token that followed it
     there, which the target rarely takes: verifying it must reject as often as p says (the point-mass rule of
     `test_verify` covers the residual), and a verifier that keeps free drafts unchecked fails."""

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from dspark_runtime import Engine, OrtBackend, SamplingParams, loop_costs
+from dspark_runtime import Engine, OrtBackend, SamplingParams
 from dspark_common.errors import InvalidRequestError
 
 torch = pytest.importorskip("torch")
@@ -374,11 +374,10 @@ def test_profile_measures_a_one_row_kernel_that_differs(echo_engine_dir):
 
 
 def test_scheduled_modes_stop_drafting_when_the_drafter_costs_more_than_it_saves(echo_engine_dir, tmp_path,
-                                                                                monkeypatch):
+                                                                                curve_as_written):
     """With a drafter that costs ten target steps, `sync` and `async` run the drafter only to look now and then
     (verifying free drafts between: this target repeats itself) and stay lossless; with a free drafter they draft
     every step. The curve is taken as written: the loop's own costs do not reprice it (`test_loop_costs`)."""
-    monkeypatch.setattr(loop_costs, "WEIGHT", 0.0)
     folder = tmp_path / "engine"
     shutil.copytree(echo_engine_dir, folder)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -3,8 +3,10 @@
 The profile times the graphs' calls alone. A step in the loop also lays out its batch, verifies, commits and
 computes the drafts' survivals, and shares the machine with whatever else runs now: on the demo a drafter call
 cost 2.3 ms in the loop against 1.65 ms in its curve. Running means of each part's excess over its profiled cost
-(additive seconds: the loop's work is per step, not per token) reprice the curve that the draft gate and the
-schedulers decide from (`SpeedCurve.priced`), so that their decisions follow what a drafted step costs here.
+reprice the curve that the draft gate and the schedulers decide from (`SpeedCurve.priced`), so that their decisions
+follow what a drafted step costs here. The target's excess is kept for each step size the loop has run often
+enough (a profile taken on a busy machine can misstate what one more verified token costs: on a 2-core EPYC one
+read t(5) - t(4) as 0.6 ms where quiet steps took 9 ms), and one mean over all sizes prices the others.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dspark_runtime.scheduler import SpeedCurve
 
 WEIGHT = 0.1  # each step's share in the running means (they follow about the last 10-20 steps)
 REPRICE_STEPS = 16  # the curves are repriced every this many decoding steps
+SIZE_STEPS = 4  # steps of one size after which its own mean prices it
 
 
 class LoopCosts:
@@ -24,14 +27,21 @@ class LoopCosts:
     def __init__(self, curve: SpeedCurve):
         self.curve = curve
         self.profiled = {sampling: curve.priced(sampling) for sampling in (False, True)}
-        self.target_extra = 0.0
+        self.target_extra = 0.0  # over all step sizes
+        self.size_extra = np.zeros(len(curve.target_seconds))  # by step size (tokens - 1)
+        self.size_steps = np.zeros(len(curve.target_seconds), dtype=int)
         self.draft_extra = {False: 0.0, True: 0.0}  # by whether the calls sampled
         self.steps = 0
         self._priced: dict[bool, SpeedCurve] = {}
 
     def target_step(self, tokens: int, seconds: float) -> None:
         """A decoding step of `tokens` tokens (no prefill among them) took `seconds`, its drafter call aside."""
-        self.target_extra = self._mean(self.target_extra, seconds - self.curve.target_time(tokens))
+        excess = seconds - self.curve.target_time(tokens)
+        self.target_extra = self._mean(self.target_extra, excess)
+        if tokens <= len(self.size_steps):
+            size = tokens - 1
+            self.size_steps[size] += 1  # a plain average of its first steps, then the running mean
+            self.size_extra[size] = self._mean(self.size_extra[size], excess, max(WEIGHT, 1 / self.size_steps[size]))
         self.steps += 1
         if self.steps % REPRICE_STEPS == 0:
             self._priced.clear()
@@ -45,11 +55,12 @@ class LoopCosts:
         """The curve to decide a step by (the same object between repricings)."""
         curve = self._priced.get(sampling)
         if curve is None:
-            curve = self._priced[sampling] = self.curve.priced(sampling, self.target_extra, self.draft_extra[sampling])
+            target_extra = np.where(self.size_steps >= SIZE_STEPS, self.size_extra, self.target_extra)
+            curve = self._priced[sampling] = self.curve.priced(sampling, target_extra, self.draft_extra[sampling])
         return curve
 
-    def _mean(self, mean: float, excess: float) -> float:
+    def _mean(self, mean: float, excess: float, weight: float = WEIGHT) -> float:
         """The running mean after one more step; one slow step (a collection, a burst of other work) moves it by at
-        most WEIGHT times a one-token step."""
+        most `weight` times a one-token step."""
         bound = self.curve.target_time(1)
-        return mean + WEIGHT * (float(np.clip(excess, -bound, bound)) - mean)
+        return mean + weight * (float(np.clip(excess, -bound, bound)) - mean)

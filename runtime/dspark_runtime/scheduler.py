@@ -41,12 +41,14 @@ class SpeedCurve:
         return cls(np.asarray(data["target_seconds"]), np.asarray(data["draft_seconds"]),
                    float(data.get("draft_seconds_per_context_row", 0.0)), greedy and np.asarray(greedy))
 
-    def priced(self, sampling: bool, target_extra: float = 0.0, draft_extra: float = 0.0) -> "SpeedCurve":
+    def priced(self, sampling: bool, target_extra: float | np.ndarray = 0.0, draft_extra: float = 0.0) -> "SpeedCurve":
         """The curve steps are priced by: the drafter's table for calls that sample or not, and each table plus
-        what the step loop adds to it (`dspark_runtime.loop_costs`), never below half the profiled cost."""
+        what the step loop adds to it (`dspark_runtime.loop_costs`; the target's per step size or one for all),
+        never below half the profiled cost, the target's still non-decreasing."""
         draft = self.draft_seconds if sampling or self.greedy_draft_seconds is None else self.greedy_draft_seconds
-        return SpeedCurve(np.maximum(self.target_seconds + target_extra, self.target_seconds / 2),
-                          np.maximum(draft + draft_extra, draft / 2), self.draft_seconds_per_context_row)
+        target = np.maximum(self.target_seconds + target_extra, self.target_seconds / 2)
+        return SpeedCurve(np.maximum.accumulate(target), np.maximum(draft + draft_extra, draft / 2),
+                          self.draft_seconds_per_context_row)
 
     @staticmethod
     def _lookup(table: np.ndarray, index):
