@@ -211,7 +211,7 @@ def llama_cpp_peer(model_dir: Path, threads: int, work: Path, source: Path, gguf
 
 
 def dspark_runner(engine_dir: str | None, threads: int, modes: list[str], temperature: float, prefix: str = "",
-                  exact_greedy: bool = False, **_) -> dict[str, Generate]:
+                  exact_greedy: bool | None = None, **_) -> dict[str, Generate]:
     from dataclasses import replace
     from functools import partial
 
@@ -334,9 +334,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with llama-server built (see above)")
     parser.add_argument("--no-repack", dest="repack", action="store_false",
                         help="pass --no-repack to llama.cpp (its Q4_0/Q8_0 repacking crashed at load on some CPUs)")
-    parser.add_argument("--exact-greedy", action="store_true",
+    parser.add_argument("--exact-greedy", action=argparse.BooleanOptionalAction, default=None,
                         help="DSpark steps an even number of rows (`dspark-run --exact-greedy`): every mode's greedy "
-                             "output then equals `off`'s")
+                             "output then equals `off`'s (default: the engine's, on for w8a8)")
     parser.add_argument("--llama-cpp-flags", action="append", default=[], metavar="FLAGS",
                         help="also run llama.cpp with these flags added (repeatable; named `llama.cpp-TYPE FLAGS`): "
                              "its agreement with the plain llama.cpp peer is the noise floor of its own arithmetic")

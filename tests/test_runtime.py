@@ -345,7 +345,9 @@ def test_profile_says_when_its_rounds_were_timed_on_a_busy_machine():
     assert profile_notes(quiet) == [] and profile_notes(quiet, "fp32") == [] and profile_notes(quiet, "w8a8") == []
     busy = profile_notes(quiet | {"spread": {"target": 0.32, "drafter": 0.01}})
     assert len(busy) == 1 and "quiet machine" in busy[0]
-    assert "--exact-greedy" in profile_notes(quiet | {"one_row_drift": 7.7e-3})[0]
+    drifting = quiet | {"one_row_drift": 7.7e-3}
+    assert "--exact-greedy" in profile_notes(drifting)[0] and "1.31x" in profile_notes(drifting)[0]
+    assert "in pairs by default" in profile_notes(drifting, "w8a8")[0]
     costly = profile_notes(quiet, "int4")
     assert len(costly) == 1 and "3.2 one-token steps with int4" in costly[0] and "--weights w8a8" in costly[0]
     flat = quiet | {"target_seconds": [0.06 * (1 + 0.04 * b) for b in range(8)]}
@@ -505,10 +507,15 @@ def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "drafter", cache_slots=4,
                           max_batch_tokens=32, show_progress=False, weights=WeightFormat(weights, 16, accuracy_level))
     with Engine.load(folder, OrtBackend(threads=1)) as engine:
+        # w8a8 engines run every step in pairs unless told otherwise (exact greedy output on every CPU)
+        assert engine.core.row_multiple == (2 if weights == "w8a8" else 1)
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
         for spec in ("fixed:1", "fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]
             assert [h.result().token_ids for h in handles] == plain, spec
+    if weights == "w8a8":
+        with Engine.load(folder, OrtBackend(threads=1), exact_greedy=False) as engine:
+            assert engine.core.row_multiple == 1
 
 
 def test_a_request_that_fails_in_the_step_loop_fails_alone(engine_dir):

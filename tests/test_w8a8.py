@@ -24,7 +24,10 @@ from dspark_plugins.onnx_function import opset_imports
 K, N = 96, 80
 
 
-def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.ndarray | None = None,
+CODE_MAX = cpu.int8_code_max()  # what a build on this CPU stores: 8-bit codes sum exactly only with VNNI or AMX
+
+
+def one_projection(tmp_path, weight: np.ndarray, code_max: int = CODE_MAX, bias: np.ndarray | None = None,
                    coupled_rows: bool = False):
     """A session computing x @ weight^T (+ bias) as a w8a8 engine's `Weights.linear` emits it (a drafter's with
     `coupled_rows`), and its store."""
@@ -47,7 +50,7 @@ def one_projection(tmp_path, weight: np.ndarray, code_max: int = 127, bias: np.n
     return session, weights
 
 
-def reference(x: np.ndarray, weight: np.ndarray, code_max: int = 127) -> np.ndarray:
+def reference(x: np.ndarray, weight: np.ndarray, code_max: int = CODE_MAX) -> np.ndarray:
     """What the graph computes, in numpy: integer products of the row codes and weight codes, then the scales."""
     codes, scales = quantize_channels(weight, code_max)
     row_scales = np.maximum(np.abs(x).max(1, keepdims=True) / np.float32(127), np.finfo(np.float32).tiny)

@@ -30,10 +30,11 @@ def engine_options(command):
     command = click.option("--threads", type=click.IntRange(min=1), default=None,
                            help="ONNX Runtime threads (default: all cores).")(command)
     command = click.option(
-        "--exact-greedy", is_flag=True, expose_value=False,
+        "--exact-greedy/--no-exact-greedy", default=None, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
         help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
-             "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more.")(command)
+             "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more. "
+             "Default: on for w8a8 engines (a second row of integer products costs little), off for the others.")(command)
     command = click.option(
         "--drafter", default=None, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("drafter", value),
@@ -69,7 +70,7 @@ def load_engine(engine_dir: str | None, threads: int | None, **options) -> Engin
     elif drafter is not None:
         raise click.UsageError(f"{engine_dir} is a built engine with its drafter; --drafter is for a model file")
     return Engine.load(engine_dir, OrtBackend(threads, shared_pool=shared_pool()),
-                       exact_greedy=bool(meta.get("exact_greedy")), **options)
+                       exact_greedy=meta.get("exact_greedy"), **options)
 
 
 def int_list(ctx: click.Context | None, param: click.Parameter | None, text: str) -> list[int]:
@@ -446,6 +447,8 @@ def profile_notes(curve: dict, weights: str = "fp32") -> list[str]:
     """What `profile` says beyond its figures: rounds timed on a busy machine, a CPU whose lone rows compute
     otherwise, and a block-quantized engine whose verification costs many plain steps (w8a8's integer products
     would not)."""
+    from dspark_runtime.engine import EXACT_BY_DEFAULT
+
     notes = []
     target = curve["target_seconds"]
     cost = target[min(7, len(target) - 1)] / target[0]
@@ -458,10 +461,16 @@ def profile_notes(curve: dict, weights: str = "fp32") -> list[str]:
         notes.append(f"the rounds still disagreed by more than {NOISY_SPREAD:.0%} when measured again: the machine "
                      "was busy. `sync` and `async` decide from these costs; profile again on a quiet machine.")
     if curve["one_row_drift"]:
-        notes.append(f"on this CPU the target computes a token alone with other kernels than in a batch (logits "
-                     f"differ by up to {curve['one_row_drift']:.1e}): greedy speculation can differ from `--spec off` "
-                     "where two tokens nearly tie; --exact-greedy makes every mode compute alike (a plain step then "
-                     "costs what a two-token step does).")
+        drift = (f"on this CPU the target computes a token alone with other kernels than in a batch (logits differ by "
+                 f"up to {curve['one_row_drift']:.1e}): ")
+        pair = target[min(1, len(target) - 1)] / target[0]
+        if weights in EXACT_BY_DEFAULT:
+            notes.append(drift + f"{weights} engines run every step in pairs by default, so greedy output is the same "
+                         f"in every mode (--no-exact-greedy runs a plain step alone, {pair:.2f}x cheaper here).")
+        else:
+            notes.append(drift + "greedy speculation can differ from `--spec off` where two tokens nearly tie; "
+                         f"--exact-greedy makes every mode compute alike (a plain step then costs {pair:.2f}x, what a "
+                         "two-token step does).")
     return notes
 
 

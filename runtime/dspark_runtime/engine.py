@@ -42,6 +42,9 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 
 QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
+# weight formats whose engines run every step in pairs unless told otherwise: their row products are exact integers,
+# so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% (docs/benchmarks.md)
+EXACT_BY_DEFAULT = ("w8a8",)
 
 @dataclass(frozen=True)
 class Completion:
@@ -175,7 +178,7 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, backend: Backend | None = None, profile: bool = True,
-             exact_greedy: bool = False) -> "Engine":
+             exact_greedy: bool | None = None) -> "Engine":
         """Load an engine directory (`dspark_export.demo_engine()` is the bundled demo's) onto `backend` (default:
         ONNX Runtime on every core, `OrtBackend`).
 
@@ -187,7 +190,8 @@ class Engine:
         does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
         (`dspark-run profile` reports it: ONNX Runtime's attention everywhere, its int4 kernels on AVX2 without VNNI
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
-        steps cost (docs/benchmarks.md has the figure).
+        steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 engines
+        (`EXACT_BY_DEFAULT`), whose integer products cost little more for a second row, and off for the others.
         """
         folder = Path(path)
         manifest = read_manifest(folder)
@@ -200,6 +204,8 @@ class Engine:
         backend = backend or OrtBackend()
         target, drafter = backend.open(folder, manifest)
         here = backend.machine()
+        if exact_greedy is None:
+            exact_greedy = manifest.weights in EXACT_BY_DEFAULT
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
                      here, exact_greedy)
         elsewhere = curve is not None and bool(_differences(curve, here))
