@@ -54,12 +54,13 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     def attend(layer: int, h: str) -> str:
         """The block rows' attention over [cache; new context; block]; writes the new context rows' K/V."""
         attn = f"layers.{layer}.self_attn."
-        # one projection of [context; block] rows: the context rows give only keys and values (q of them is unused)
-        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), attn, (hq, hkv), t.qk_norm, t.qkv_bias)
+        # keys and values of [context; block] rows, queries of the block rows only (context rows feed the cache)
+        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), attn, (hq, hkv), t.qk_norm, t.qkv_bias,
+                                       queries=h)
         k = ops.rope(k, cos, sin)
         for name, projected in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
             b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
-        q = ops.rope(b.op("Slice", q, context_count, end, b.const([0])), cos_blk, sin_blk)
+        q = ops.rope(q, cos_blk, sin_blk)
         attended_all = f"attention_{layer}"
         b.nodes.append(varlen_attention_node(
             [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,

@@ -59,19 +59,25 @@ class DecoderOps:
         return self.linear(b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up), prefix + "down_proj.weight")
 
     def attention_inputs(self, x: str, prefix: str, heads: tuple[int, int], qk_norm: bool, bias: bool = False,
-                         batched: Callable[[str], str] | None = None) -> list[str]:
+                         batched: Callable[[str], str] | None = None, queries: str | None = None) -> list[str]:
         """q, k and v of an attention layer (`{prefix}q_proj.weight` etc.) from one projection of x's rows (with the
         q/k/v biases when `bias`), q and k RMS-normed per head when `qk_norm`: per head, [T, H, D]; or, with
         `batched` re-laying the projection [T, N] out as [S, M, N] (after the projection, so padding costs no matmul
-        rows), GroupQueryAttention's [S, M, H·D]."""
+        rows), GroupQueryAttention's [S, M, H·D]. With `queries` (per-head layout only), q comes from those rows
+        alone and x's rows give only k and v: rows that only feed the cache cost no query projection."""
         b, d = self.b, self.head_dim
-        projections = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
-        projected = self.weights.linear(b, x, [name + ".weight" for name in projections],
-                                        [name + ".bias" for name in projections] if bias else None)
-        if batched is not None:
-            projected = batched(projected)
+        names = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
+        project = lambda rows, part: self.weights.linear(  # noqa: E731
+            b, rows, [name + ".weight" for name in part], [name + ".bias" for name in part] if bias else None)
         widths = [heads[0] * d, heads[1] * d, heads[1] * d]
-        q, k, v = b.op("Split", projected, b.const(widths), axis=-1, outputs=3)
+        if queries is not None:
+            q = project(queries, names[:1])
+            k, v = b.op("Split", project(x, names[1:]), b.const(widths[1:]), axis=-1, outputs=2)
+        else:
+            projected = project(x, names)
+            if batched is not None:
+                projected = batched(projected)
+            q, k, v = b.op("Split", projected, b.const(widths), axis=-1, outputs=3)
         if batched is None:
             per_head = b.const([0, -1, d])
             q, k, v = (b.op("Reshape", part, per_head) for part in (q, k, v))
