@@ -248,11 +248,18 @@ class Runner:
         self.connection, child = context.Pipe()
         self.process = context.Process(target=serve, args=(child, kind, options), daemon=True)
         self.process.start()
-        self.names = self.connection.recv()
+        child.close()  # the child's end lives in the child alone, so its death ends `recv` instead of hanging it
+        self.names = self._receive()
 
     def generate(self, name: str, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
         self.connection.send((name, ids, max_tokens))
-        return self.connection.recv()
+        return self._receive()
+
+    def _receive(self):
+        try:
+            return self.connection.recv()
+        except EOFError:
+            raise SystemExit(f"the {self.kind} runner's process died (its traceback is above)") from None
 
     def close(self) -> None:
         self.connection.send(None)
@@ -360,7 +367,7 @@ def main() -> None:
                              "prefixed gguf-), to compare outputs and speed on the same quantized weights")
     args = parser.parse_args()
 
-    from dspark_export.build import default_engine_dir
+    from dspark_export.cached_engines import demo_engine
     from dspark_export.presets import resolve_target
     from dspark_common.engine_dir import read_manifest
     from dspark_common.prompts import demo_prompts_path, read_prompts
@@ -376,9 +383,9 @@ def main() -> None:
         parser.error("--llama-cpp-flags varies the llama.cpp peer: add it to --peers")
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_prompts(demo_prompts_path(), args.limit) if r.get("domain") in args.domains.split(",")]
-    engine_dir = Path(args.engine_dir) if args.engine_dir else default_engine_dir("demo", "demo-dspark")
+    engine_dir = Path(args.engine_dir) if args.engine_dir else demo_engine()  # built first where missing or stale
     common = {"threads": args.threads, "temperature": args.temperature, "exact_greedy": args.exact_greedy}
-    runners = [Runner("dspark", common | {"engine_dir": args.engine_dir, "modes": modes})]  # builds the demo first
+    runners = [Runner("dspark", common | {"engine_dir": str(engine_dir), "modes": modes})]
     manifest = read_manifest(engine_dir)
     model_dir = args.checkpoint or resolve_target(manifest.target_name, None).require_path()
     precision = manifest.weights
