@@ -16,15 +16,17 @@ from tqdm import tqdm
 
 from dspark_export.checkpoint import expected_shapes
 from dspark_export.config import DTYPES, DecoderConfig
+from dspark_export.drafters.config import DrafterConfig
 from dspark_export.drafters.draft_vocab import COUNTS_FILE, DraftVocab, default_draft_vocab, with_draft_vocab
 from dspark_export.graphs.drafter import build_drafter_onnx
 from dspark_export.graphs.target import attention_for, build_target_onnx
-from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights
+from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights, float_weights
 from dspark_export.interop import open_drafter
 from dspark_export.interop.source import DrafterSource
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
+from dspark_export.weight_choice import Choice, choose_weights
 from dspark_common.engine_dir import (
     DRAFTER_GRAPH,
     TARGET_GRAPH,
@@ -58,11 +60,6 @@ def resolve_backend(backend: str) -> str:
         require_tensorrt()
         return "trt"
     return "ort"  # "auto": the runtime runs ONNX Runtime engines; TensorRT is asked for by name
-
-
-def float_weights(dtype: str) -> WeightFormat:
-    """The float weight format of an activation dtype (fp32 for float32, ...)."""
-    return WeightFormat(next(name for name, of in FLOAT_WEIGHTS.items() if of == dtype))
 
 
 def check_options(config: DecoderConfig, backend: str, dtype: str, weights: WeightFormat,
@@ -123,37 +120,35 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  weights: WeightFormat | None = None, drafter_weights: WeightFormat | None = None,
                  kv_memory: int | None = None, gamma: int | None = None, draft_vocab: DraftVocab | None = None,
                  smooth: bool = False) -> Path:
-    """Write the engine directory `out`; returns it. `weights` default to the dtype's float format; the drafter's
-    to `default_drafter_weights`. The context defaults to what `kv_memory` holds. `gamma` unrolls
+    """Write the engine directory `out`; returns it. `weights` default to `auto_weights`' choice (measured on this
+    CPU; the dtype's float for a small target); the drafter's to `default_drafter_weights`. The context defaults to what `kv_memory` holds. `gamma` unrolls
     an EAGLE-3 drafter that many steps a round instead of the γ it was trained with; `draft_vocab` prunes the
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
     `draft_vocab.default_size` where the drafter's or target's folder holds token counts). `smooth` applies SmoothQuant
     to a w8a8 target (`dspark_export.smoothing`; needs torch)."""
     backend = resolve_backend(backend)
-    weights = weights or float_weights(dtype)
-    check_options(spec.config, backend, dtype, weights, drafter_weights)
-    drafter_weights = drafter_weights or default_drafter_weights(backend, weights, spec.config)
+    check_options(spec.config, backend, dtype, weights or float_weights(dtype), drafter_weights)
     out = Path(out)
     if out.exists() and not force:
         raise DSparkError(f"{out} already exists; pass --force to replace it")
-    if smooth and not weights.per_channel:
-        raise DSparkError("--smooth smooths the activations w8a8 quantizes per row: use it with --weights w8a8")
     folder = spec.require_path()
     checkpoint = spec.checkpoint()
     tokenizer = ChatTokenizer.from_dir(folder)
+    source = _drafter_source(drafter_dir, spec, checkpoint, tokenizer, backend, gamma, draft_vocab)
+    if weights is None:
+        choice = auto_weights(spec.config, backend, dtype, source and source.config)
+        weights, smooth = choice.weights, smooth or choice.weights.per_channel
+        if show_progress or choice.steps:
+            print(choice.line(), file=sys.stderr)
+        check_options(spec.config, backend, dtype, weights, drafter_weights)
+    drafter_weights = drafter_weights or default_drafter_weights(backend, weights, spec.config)
+    if smooth and not weights.per_channel:
+        raise DSparkError("--smooth smooths the activations w8a8 quantizes per row: use it with --weights w8a8")
     if smooth:
         from dspark_export.smoothing import SmoothedCheckpoint, calibration_prompts
 
         checkpoint = SmoothedCheckpoint(checkpoint, calibration_prompts(tokenizer))
-    source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
-    if gamma is not None:
-        source = with_gamma(source, gamma)
-    if draft_vocab is None and backend == "ort" and source is not None and source.config.draft_vocab_size is None:
-        draft_vocab = default_draft_vocab(spec.config.vocab_size, (drafter_dir, folder))
-    if draft_vocab is not None:
-        if source is None:
-            raise DSparkError("--draft-vocab prunes a drafter's output layer; this build has no drafter")
-        source = with_draft_vocab(source, checkpoint, *draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size))
+        source = _drafter_source(drafter_dir, spec, checkpoint, tokenizer, backend, gamma, draft_vocab)
     drafter_config = source and source.config
     feature_layers = list(drafter_config.feature_layers) if drafter_config else []
     gamma = drafter_config.gamma if drafter_config else 0
@@ -209,6 +204,32 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
             build_trt_engines(staging, manifest)
         write_manifest(staging, manifest)
     return out
+
+
+def _drafter_source(drafter_dir: Path | None, spec: TargetSpec, checkpoint, tokenizer: ChatTokenizer, backend: str,
+                    gamma: int | None, draft_vocab: DraftVocab | None) -> DrafterSource | None:
+    """The drafter in `drafter_dir` (None: no drafter) for the target's `checkpoint`, unrolled to `gamma` and pruned
+    to `draft_vocab` (by default on ONNX Runtime where token counts are found)."""
+    source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
+    if gamma is not None:
+        source = with_gamma(source, gamma)
+    if draft_vocab is None and backend == "ort" and source is not None and source.config.draft_vocab_size is None:
+        draft_vocab = default_draft_vocab(spec.config.vocab_size, (drafter_dir, spec.require_path()))
+    if draft_vocab is not None:
+        if source is None:
+            raise DSparkError("--draft-vocab prunes a drafter's output layer; this build has no drafter")
+        source = with_draft_vocab(source, checkpoint, *draft_vocab.choose(spec.config.vocab_size, tokenizer.vocab_size))
+    return source
+
+
+def auto_weights(config: DecoderConfig, backend: str, dtype: str, drafter: DrafterConfig | None) -> Choice:
+    """The weights of a build that names none: on ONNX Runtime, the format `weight_choice.choose_weights` measures
+    fastest on this CPU; on TensorRT, the dtype's float."""
+    if backend != "ort":
+        return Choice(float_weights(dtype), {}, {}, "TensorRT engines keep float weights")
+    layers, rows, gamma = (drafter.num_layers, drafter.draft_vocab_size or config.vocab_size, drafter.gamma) \
+        if drafter else (0, 0, 0)
+    return choose_weights(config, dtype, layers, rows, gamma, os.cpu_count() or 1)
 
 
 def source_digests(target_folder: Path, drafter_dir: Path | None) -> dict[str, str]:

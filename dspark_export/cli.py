@@ -10,6 +10,7 @@ import click
 from dspark_export.build import BACKENDS
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
+from dspark_export.weight_choice import AUTO
 from dspark_export.presets import KNOWN_TARGETS
 from dspark_export.sizing import DESKTOP_SLOTS
 from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
@@ -38,12 +39,14 @@ def engine_options(command):
         ),
         click.option(
             "--weights",
-            type=click.Choice(WEIGHT_FORMATS),
+            type=click.Choice((AUTO, *WEIGHT_FORMATS)),
             default=None,
-            help="Target weights: fp32/fp16/bf16 (the --dtype's, the default), block-quantized int8/int4 (a GGUF "
-                 "target's default: its own, Q4_0 and Q8_0 blocks carried over exactly), or w8a8: int8 per output "
-                 "channel with activations quantized per row, whose integer products make verifying several "
-                 "tokens cost little more than one on a CPU (7-bit codes on x86 without VNNI).",
+            help="Target weights: fp32/fp16/bf16 (the --dtype's), block-quantized int8/int4 (a GGUF target's "
+                 "default: its own, Q4_0 and Q8_0 blocks carried over exactly), or w8a8: int8 per output channel "
+                 "with activations quantized per row, whose integer products make verifying several tokens cost "
+                 "little more than one on a CPU (7-bit codes on x86 without VNNI). auto (the default for other "
+                 "checkpoints): on ONNX Runtime the build times int4 and w8a8 at the target's shapes on this CPU "
+                 "and keeps the faster (w8a8 with --smooth, which needs torch); small targets keep fp32.",
         ),
         click.option(
             "--quant-block-size",
@@ -109,12 +112,12 @@ def draft_vocab_options(command):
     return with_draft_vocab
 
 
-def weight_format(dtype: str, weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat:
-    """--weights (default: the --dtype's float format) as a WeightFormat; w8a8 codes as this CPU sums them exactly."""
+def weight_format(weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat | None:
+    """--weights as a WeightFormat (w8a8 codes as this CPU sums them exactly); None for auto (or none named): the
+    build chooses (`build.auto_weights`)."""
     from dspark_common.cpu import int8_code_max
 
-    return WeightFormat(weights or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype], block_size,
-                        accuracy_level, int8_code_max())
+    return None if weights in (None, AUTO) else WeightFormat(weights, block_size, accuracy_level, int8_code_max())
 
 
 def weight_formats(text: str) -> list[str]:
@@ -155,15 +158,17 @@ def inspect(path, target, target_path, dtype, weights, quant_block_size, accurac
     from dspark_export.inspect import describe_target, format_report
     from dspark_export.presets import resolve_target
     from dspark_export.sizing import size_engine
+    from dspark_export.weight_choice import auto_candidates
 
     if path and target_path:
         raise click.UsageError("give the target's path once: PATH or --target-path")
     spec = resolve_target(target, path or target_path)
-    fmt = weight_format(dtype, weights or spec.weights, quant_block_size)
+    fmt = weight_format(weights or spec.weights, quant_block_size)
+    candidates = [fmt] if fmt else auto_candidates(spec.config, dtype)[0]
     checkpoint = spec.checkpoint() if spec.path is not None else None
-    size = size_engine(spec.config, cache_slots, dtype, fmt, max_context=max_context,
-                       kv_memory=parse_size(kv_memory, "--kv-memory"), carrier=checkpoint)
-    report = describe_target(spec, checkpoint, size, dtype, fmt)
+    sizes = [size_engine(spec.config, cache_slots, dtype, candidate, max_context=max_context,
+                         kv_memory=parse_size(kv_memory, "--kv-memory"), carrier=checkpoint) for candidate in candidates]
+    report = describe_target(spec, checkpoint, sizes, dtype, candidates)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
@@ -415,8 +420,8 @@ def build(
         max_context=max_context,
         max_batch_tokens=max_batch_tokens,
         force=force,
-        weights=weight_format(dtype, weights or spec.weights, quant_block_size, accuracy_level),
-        drafter_weights=drafter_weights and weight_format(dtype, drafter_weights, quant_block_size, accuracy_level),
+        weights=weight_format(weights or spec.weights, quant_block_size, accuracy_level),
+        drafter_weights=weight_format(drafter_weights, quant_block_size, accuracy_level),
         kv_memory=parse_size(kv_memory, "--kv-memory"),
         gamma=gamma,
         draft_vocab=draft_vocab,

@@ -11,11 +11,12 @@ from dspark_export.presets import PRESETS, TargetSpec
 from dspark_export.sizing import EngineSize
 
 
-def describe_target(spec: TargetSpec, checkpoint: Checkpoint | GGUFCheckpoint | None, size: EngineSize, dtype: str,
-                    weights: WeightFormat) -> dict[str, Any]:
+def describe_target(spec: TargetSpec, checkpoint: Checkpoint | GGUFCheckpoint | None, sizes: list[EngineSize],
+                    dtype: str, candidates: list[WeightFormat]) -> dict[str, Any]:
     """Facts about a target, its `checkpoint` when found (opened, headers only, so that a broken one is reported here
-    too) and the memory of an engine built from it (`size`, as `dspark-export build` sizes it)."""
-    config = spec.config
+    too) and the memory of an engine built from it in each candidate weight format (`sizes`, as `dspark-export build`
+    sizes them; several where `--weights auto` chooses among them at build time)."""
+    config, size, weights = spec.config, sizes[0], candidates[0]
     gguf = quantization_report(checkpoint, weights) if isinstance(checkpoint, GGUFCheckpoint) else None
     return {
         "target": spec.name,
@@ -52,6 +53,8 @@ def describe_target(spec: TargetSpec, checkpoint: Checkpoint | GGUFCheckpoint | 
             "kv_cache_bytes": size.kv_bytes,
             "total_bytes": size.total_bytes,
             "line": size.line(),
+            "auto": [{"weights": f.name, "format": str(f), "total_bytes": z.total_bytes, "line": z.line()}
+                     for f, z in zip(candidates, sizes)] if len(candidates) > 1 else None,
         },
     }
 
@@ -84,6 +87,11 @@ def format_report(report: dict[str, Any]) -> str:
         ("engine", f"{memory['dtype']} activations, {memory['format']}"),
         ("memory", memory["line"]),
     ]
+    if memory["auto"]:
+        rows[-2:] = [("engine", f"{memory['dtype']} activations; weights auto: the build times "
+                                + " and ".join(c["weights"] for c in memory["auto"])
+                                + " on this CPU and keeps the faster (--weights NAME chooses)")]
+        rows += [(f"memory {c['weights']}", c["line"]) for c in memory["auto"]]
     gguf = report["gguf"]
     if gguf:
         rows[1:1] = [("gguf", f"mostly {gguf['main_type']} (an {gguf['weights']} engine by default); "

@@ -25,26 +25,29 @@ CALIBRATION_PROMPTS = 8  # per domain
 
 
 def activation_peaks(checkpoint, prompts: list[list[int]]) -> dict[str, np.ndarray]:
-    """max |input| per channel of every projection (by its weight's name) over the prompts, from the torch model."""
+    """max |input| per channel of every projection (by its weight's name) over the prompts, from the torch model: one
+    forward of the prompts right-padded into a batch (so each streamed layer is read once), pads left out of the
+    peaks (causal attention keeps them out of the real tokens)."""
     import torch
 
     from dspark_export.model import DecoderModel
 
     model = DecoderModel.from_checkpoint(checkpoint, "float32", streamed=True)
+    longest = max(len(ids) for ids in prompts)
+    batch = torch.tensor([ids + [0] * (longest - len(ids)) for ids in prompts])
+    real = torch.tensor([[i < len(ids) for i in range(longest)] for ids in prompts]).reshape(-1)
     peaks: dict[str, np.ndarray] = {}
 
     def record(name: str) -> Callable:
         def hook(module, args) -> None:
-            peak = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).numpy()
-            peaks[name] = np.maximum(peaks.get(name, peak), peak)
+            peaks[name] = args[0].detach().abs().reshape(-1, args[0].shape[-1])[real].amax(0).numpy()
         return hook
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
             module.register_forward_pre_hook(record(f"model.{name}.weight"))
     with torch.no_grad():
-        for ids in prompts:
-            model(torch.tensor([ids]))
+        model(batch)
     return peaks
 
 

@@ -117,6 +117,11 @@ class WeightFormat:
         return f"{self.name} weights" + (f" in blocks of {self.block_size}" if self.bits else "")
 
 
+def float_weights(dtype: str) -> WeightFormat:
+    """The float weight format of an activation dtype (fp32 for float32, ...)."""
+    return WeightFormat(next(name for name, of in FLOAT_WEIGHTS.items() if of == dtype))
+
+
 def convert(array: np.ndarray, stored: str, dtype: str) -> np.ndarray:
     """A checkpoint tensor (bfloat16 as uint16 bits) in the graph's dtype (bfloat16 again as uint16 bits)."""
     if dtype == stored:
