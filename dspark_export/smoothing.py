@@ -22,32 +22,38 @@ from dspark_export.graphs.weights import Reader
 ALPHA = 0.5  # SmoothQuant's migration strength
 CALIBRATION_SKIP = 30  # the bundled prompts after the first 30 of each domain (benchmarks take the first ones)
 CALIBRATION_PROMPTS = 8  # per domain
+CALIBRATION_BATCH = 8  # prompts a forward
 
 
 def activation_peaks(checkpoint, prompts: list[list[int]]) -> dict[str, np.ndarray]:
-    """max |input| per channel of every projection (by its weight's name) over the prompts, from the torch model: one
-    forward of the prompts right-padded into a batch (so each streamed layer is read once), pads left out of the
-    peaks (causal attention keeps them out of the real tokens)."""
+    """max |input| per channel of every projection (by its weight's name) over the prompts, from the torch model: the
+    prompts sorted by length and right-padded into batches of `CALIBRATION_BATCH` (each streamed layer is read once a
+    batch, with little padding to compute), the pads left out of the peaks (causal attention keeps them out of the
+    real tokens)."""
     import torch
 
     from dspark_export.model import DecoderModel
 
     model = DecoderModel.from_checkpoint(checkpoint, "float32", streamed=True)
-    longest = max(len(ids) for ids in prompts)
-    batch = torch.tensor([ids + [0] * (longest - len(ids)) for ids in prompts])
-    real = torch.tensor([[i < len(ids) for i in range(longest)] for ids in prompts]).reshape(-1)
     peaks: dict[str, np.ndarray] = {}
+    real = torch.ones(0, dtype=torch.bool)  # the current batch's real tokens, flattened
 
     def record(name: str) -> Callable:
         def hook(module, args) -> None:
-            peaks[name] = args[0].detach().abs().reshape(-1, args[0].shape[-1])[real].amax(0).numpy()
+            peak = args[0].detach().abs().reshape(-1, args[0].shape[-1])[real].amax(0).numpy()
+            peaks[name] = np.maximum(peaks.get(name, peak), peak)
         return hook
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
             module.register_forward_pre_hook(record(f"model.{name}.weight"))
+    ordered = sorted(prompts, key=len)
     with torch.no_grad():
-        model(batch)
+        for first in range(0, len(ordered), CALIBRATION_BATCH):
+            batch = ordered[first:first + CALIBRATION_BATCH]
+            longest = len(batch[-1])
+            real = torch.tensor([[i < len(ids) for i in range(longest)] for ids in batch]).reshape(-1)
+            model(torch.tensor([ids + [0] * (longest - len(ids)) for ids in batch]))
     return peaks
 
 
