@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_runtime.loop_costs import REPRICE_STEPS, SIZE_STEPS, WEIGHT, LoopCosts
-from dspark_runtime.scheduler import DraftGate, SpeedCurve
+from dspark_runtime.scheduler import DraftGate, SpeedCurve, capacity
 
 FLAT = np.ones(8)  # verifying up to 8 tokens costs one step of 1 s
 
@@ -70,3 +70,21 @@ def test_a_curve_that_misstates_one_more_token_is_corrected_by_the_sizes_the_loo
     assert priced.target_time(5) - priced.target_time(4) == pytest.approx(0.3)
     assert np.all(np.diff(priced.target_seconds) >= 0)  # still non-decreasing
     assert priced.target_time(8) == pytest.approx(1.8 + costs.target_extra)  # unseen sizes: the overall mean
+
+
+def test_a_loop_that_pads_steps_to_pairs_prices_an_odd_row_count_as_the_pair_after_it():
+    """With `exact_greedy` every step runs an even number of rows: 3 tokens cost what 4 do, so verifying one draft
+    fewer than a pair holds saves nothing and the async budget lands on full pairs."""
+    rising = np.linspace(1.0, 2.4, 8)
+    curve = SpeedCurve(rising, np.array([0.5]))
+    assert curve.padded(1) is curve
+    assert curve.padded(2).target_seconds.tolist() == pytest.approx(np.repeat(rising[1::2], 2).tolist())
+    costs = LoopCosts(curve, row_multiple=2)
+    for _ in range(SIZE_STEPS):
+        costs.target_step(6, 2.0)  # steps run padded: the loop sees even sizes only
+    costs.steps = REPRICE_STEPS - 1
+    costs.target_step(4, 1.6)
+    priced = costs.priced(False)
+    assert [priced.target_time(n) for n in (5, 7)] == [priced.target_time(6), priced.target_time(8)]
+    survival = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]])
+    assert (capacity(survival, priced) + 1) % 2 == 0  # drafts + the anchor fill whole pairs

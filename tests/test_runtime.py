@@ -509,6 +509,7 @@ def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
     with Engine.load(folder, OrtBackend(threads=1)) as engine:
         # w8a8 engines run every step in pairs unless told otherwise (exact greedy output on every CPU)
         assert engine.core.row_multiple == (2 if weights == "w8a8" else 1)
+        assert engine.core.drafting.loop_costs.row_multiple == engine.core.row_multiple  # drafts priced as padded
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
         for spec in ("fixed:1", "fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]

@@ -51,7 +51,7 @@ class EngineCore:
             None  # (request id, confidence logits, accepted) when recording
         )
         self.seconds = {"step": 0.0, "schedule": 0.0, "target": 0.0, "drafter": 0.0}  # steps, and the parts of them
-        self.drafting = Drafting(manifest, drafter, curve, sts, self.isolated, self.timed)
+        self.drafting = Drafting(manifest, drafter, curve, sts, self.isolated, self.timed, row_multiple)
         self.gamma = self.drafting.gamma
 
     def timed(self, part: str, call: Callable[..., Result], *args) -> Result:

@@ -29,8 +29,10 @@ class Drafting:
     ends it alone; `timed(part, call, *args)` adds a call's time to the step's parts."""
 
     def __init__(self, manifest: Manifest, drafter: GraphRunner | None, curve: SpeedCurve | None,
-                 sts: dict[float, tuple[np.ndarray, np.ndarray]] | None, isolated: Callable, timed: Callable):
-        self.manifest, self.drafter = manifest, drafter
+                 sts: dict[float, tuple[np.ndarray, np.ndarray]] | None, isolated: Callable, timed: Callable,
+                 row_multiple: int = 1):
+        """`row_multiple`: the step loop pads every step to a multiple of that many rows (`EngineCore`)."""
+        self.manifest, self.drafter, self.row_multiple = manifest, drafter, row_multiple
         self.gamma = manifest.gamma if drafter else 0
         self.sts = sts  # (STS temperatures, offsets) by the sampling temperature they were fitted at
         self.isolated, self.timed = isolated, timed
@@ -45,7 +47,7 @@ class Drafting:
         self.curve = curve
         self.loop_costs = self.priced = self.async_scheduler = self.gate = None
         if curve is not None:
-            self.loop_costs = LoopCosts(curve)
+            self.loop_costs = LoopCosts(curve, self.row_multiple)
             self.priced = self.loop_costs.priced(sampling=True)  # this step's curve
             self.async_scheduler = AsyncScheduler(self.priced, self.gamma)
             self.gate = DraftGate(self.priced, self.gamma)

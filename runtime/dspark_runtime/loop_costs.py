@@ -24,8 +24,10 @@ class LoopCosts:
     """Running means of what a decoding step's target part and a drafter call cost in the loop beyond `curve`
     (the drafter's apart for calls that sample and all-greedy ones), and the curves priced from them."""
 
-    def __init__(self, curve: SpeedCurve):
-        self.curve = curve
+    def __init__(self, curve: SpeedCurve, row_multiple: int = 1):
+        """`row_multiple`: the loop pads every step to a multiple of that many rows, and the priced curves say so
+        (`SpeedCurve.padded`)."""
+        self.curve, self.row_multiple = curve, row_multiple
         self.profiled = {sampling: curve.priced(sampling) for sampling in (False, True)}
         self.target_extra = 0.0  # over all step sizes
         self.size_extra = np.zeros(len(curve.target_seconds))  # by step size (tokens - 1)
@@ -56,7 +58,8 @@ class LoopCosts:
         curve = self._priced.get(sampling)
         if curve is None:
             target_extra = np.where(self.size_steps >= SIZE_STEPS, self.size_extra, self.target_extra)
-            curve = self._priced[sampling] = self.curve.priced(sampling, target_extra, self.draft_extra[sampling])
+            curve = self._priced[sampling] = self.curve.priced(sampling, target_extra, self.draft_extra[sampling]) \
+                .padded(self.row_multiple)
         return curve
 
     def _mean(self, mean: float, excess: float, weight: float = WEIGHT) -> float:

@@ -14,7 +14,7 @@ then the top K by current a (no stop needed). A global search without the stop i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +49,15 @@ class SpeedCurve:
         target = np.maximum(self.target_seconds + target_extra, self.target_seconds / 2)
         return SpeedCurve(np.maximum.accumulate(target), np.maximum(draft + draft_extra, draft / 2),
                           self.draft_seconds_per_context_row)
+
+    def padded(self, multiple: int) -> "SpeedCurve":
+        """The curve of a step loop that pads every step to a multiple of `multiple` tokens (`exact_greedy`): B
+        tokens cost what ⌈B / multiple⌉ · multiple tokens cost, so that a scheduler verifies the drafts a padded
+        row would carry anyway rather than pay for padding."""
+        if multiple == 1:
+            return self
+        sizes = np.arange(1, len(self.target_seconds) + 1)
+        return replace(self, target_seconds=self._lookup(self.target_seconds, -(-sizes // multiple) * multiple))
 
     @staticmethod
     def _lookup(table: np.ndarray, index):
