@@ -31,7 +31,8 @@ def demo_engine() -> Path:
 def model_engine(model: str | None, drafter: str | None = None) -> Path:
     """The folder of the engine of `model` (a GGUF file, a store name such as ollama:NAME, a Hugging Face model
     folder, or None: the demo) with `drafter` (default: a bundled drafter trained for this target, else none: plain
-    decoding), built on first use with the file's own weights, which lines on stderr announce."""
+    decoding), built on first use with a GGUF file's own weights or, for a Hugging Face folder, the format
+    `--weights auto` measures fastest here, which lines on stderr announce."""
     from dspark_export.build import build_engine, default_engine_dir, source_digests
     from dspark_export.drafters.bundled import matching_drafter, resolve_drafter
     from dspark_export.graphs.weights import WeightFormat
@@ -48,7 +49,7 @@ def model_engine(model: str | None, drafter: str | None = None) -> Path:
             "no drafter fits this target, so plain decoding (name one with --drafter)"
         print(f"building an engine of {model} into {folder} (first use; {with_drafter})...", file=sys.stderr)
         try:
-            weights = spec.weights and WeightFormat(spec.weights)  # the file's own (Q4_0 -> int4...); else float
+            weights = spec.weights and WeightFormat(spec.weights)  # the file's own (Q4_0 -> int4...); else auto
             build_engine(spec, folder, drafter_dir, drafter, force=True, weights=weights, cache_slots=DESKTOP_SLOTS,
                          show_progress=sys.stderr.isatty())
         except ConfigError as exc:
