@@ -55,7 +55,7 @@ class Choice:
         other = next(name for name in self.rates if name != self.weights.name) if len(self.rates) > 1 else None
         versus = f", {self.rates[self.weights.name] / self.rates[other]:.2f}x {other}" if other else ""
         return (f"weights auto: {self.weights.name}{versus} predicted on this CPU (target steps measured at its "
-                f"shapes: {times}{'; ' + self.why if self.why else ''}; --weights NAME overrides)")
+                f"shapes: {times}{'; ' + self.why if self.why else ''}; dspark-export build --weights NAME chooses)")
 
 
 def float_bytes(config: DecoderConfig) -> int:
