@@ -26,7 +26,7 @@ from dspark_export.interop.source import DrafterSource
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
-from dspark_export.weight_choice import Choice, choose_weights
+from dspark_export.weight_choice import Choice, choose_weights, quantized_format
 from dspark_common.engine_dir import (
     DRAFTER_GRAPH,
     TARGET_GRAPH,
@@ -136,7 +136,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     tokenizer = ChatTokenizer.from_dir(folder)
     source = _drafter_source(drafter_dir, spec, checkpoint, tokenizer, backend, gamma, draft_vocab)
     if weights is None:
-        choice = auto_weights(spec.config, backend, dtype, source and source.config)
+        choice = Choice(quantized_format("w8a8"), {}, {}, "--smooth smooths w8a8's activations") if smooth else \
+            auto_weights(spec.config, backend, dtype, source and source.config)
         weights, smooth = choice.weights, smooth or choice.weights.per_channel
         if show_progress or choice.steps:
             print(choice.line(), file=sys.stderr)

@@ -364,9 +364,9 @@ def without_nan(value):
 )
 @draft_vocab_options
 @click.option("--smooth", is_flag=True,
-              help="--weights w8a8: SmoothQuant, for checkpoints whose projections see a few massive input channels "
-                   "(moves their range into the weights, folded into the norms and v/up rows; calibrated with the "
-                   "torch model, which needs the [export] extra).")
+              help="w8a8 (implied without --weights) with SmoothQuant, for checkpoints whose projections see a few "
+                   "massive input channels (moves their range into the weights, folded into the norms and v/up rows; "
+                   "calibrated with the torch model, which needs the [export] extra).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 def build(
     target,

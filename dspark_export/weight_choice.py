@@ -78,7 +78,7 @@ def auto_candidates(config: DecoderConfig, dtype: str) -> tuple[list[WeightForma
         return [float_weights(dtype)], f"--dtype {dtype}: the quantized formats compute in float32"
     if float_bytes(config) <= SMALL_TARGET_BYTES:
         return [float_weights(dtype)], "a small target keeps its float weights"
-    formats = [_format(name) for name in CANDIDATES]
+    formats = [quantized_format(name) for name in CANDIDATES]
     formats = [f for f in formats if not (f.blocked and any(w % f.block_size for w in config.input_widths()))]
     why = ""
     if importlib.util.find_spec("torch") is None:
@@ -152,7 +152,8 @@ def last_level_cache() -> int:
     return max(sizes, default=0)
 
 
-def _format(name: str) -> WeightFormat:
+def quantized_format(name: str) -> WeightFormat:
+    """A quantized format in its defaults, w8a8's codes as this CPU sums them exactly."""
     from dspark_common.cpu import int8_code_max
 
     return WeightFormat(name, code_max=int8_code_max())

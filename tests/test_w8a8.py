@@ -184,3 +184,15 @@ def test_smoothing_is_refused_without_w8a8(tmp_path):
 
     with pytest.raises(DSparkError, match="--smooth .* --weights w8a8"):
         build_engine(resolve_target("demo"), tmp_path / "e", weights=WeightFormat("int4"), smooth=True)
+
+
+def test_smoothing_without_a_named_format_builds_w8a8(tmp_path):
+    """`--smooth` alone asks for w8a8: no probe, no refusal."""
+    pytest.importorskip("torch")
+    from dspark_export.build import build_engine
+    from dspark_export.presets import resolve_target
+    from dspark_common.engine_dir import read_manifest
+
+    folder = build_engine(resolve_target("demo"), tmp_path / "e", cache_slots=1, max_context=64, smooth=True,
+                          show_progress=False)
+    assert read_manifest(folder).weights == "w8a8"
