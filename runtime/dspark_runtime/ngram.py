@@ -73,5 +73,5 @@ def drafts_worth_verifying(available: int, rate: float, curve: SpeedCurve, token
         return 0
     k = np.arange(available + 1)
     gained = (tokens if expected is None else expected) + np.cumsum(rate ** k) - 1
-    seconds = np.array([curve.target_time(tokens + n) for n in k])
+    seconds = curve.target_times(tokens + k)
     return int(np.argmax(gained / seconds))

@@ -59,6 +59,11 @@ class SpeedCurve:
         sizes = np.arange(1, len(self.target_seconds) + 1)
         return replace(self, target_seconds=self._lookup(self.target_seconds, -(-sizes // multiple) * multiple))
 
+    @classmethod
+    def _at(cls, table: np.ndarray, index: int) -> float:
+        """table[index - 1] for one int: a single read within the table (the loop asks several times a step)."""
+        return float(table[index - 1]) if 0 < index <= len(table) else float(cls._lookup(table, index))
+
     @staticmethod
     def _lookup(table: np.ndarray, index):
         """table[index - 1] for an int or an array of them, linear beyond the measured range."""
@@ -72,7 +77,7 @@ class SpeedCurve:
 
     def draft_time(self, requests: int, context_rows: int = 0) -> float:
         """t_draft(R), plus the catch-up of context rows beyond what the profile fed (after plain steps)."""
-        return float(self._lookup(self.draft_seconds, requests)) + self.catch_up(requests, context_rows)
+        return self._at(self.draft_seconds, requests) + self.catch_up(requests, context_rows)
 
     def catch_up(self, requests: int, context_rows: int) -> float:
         """What reading `context_rows` new target positions costs a drafter call beyond a profiled one."""
@@ -84,7 +89,11 @@ class SpeedCurve:
 
     def target_time(self, tokens: int) -> float:
         """t_target(B) for B = `tokens`."""
-        return float(self._lookup(self.target_seconds, tokens))
+        return self._at(self.target_seconds, tokens)
+
+    def target_times(self, tokens: np.ndarray) -> np.ndarray:
+        """t_target(B) for an array of B."""
+        return self._lookup(self.target_seconds, tokens)
 
     def plain_steps_per_second(self, tokens: int) -> float:
         """Steps per second when nothing was drafted: the target alone."""
