@@ -26,7 +26,7 @@ from dspark_export.interop.source import DrafterSource
 from dspark_export.presets import TargetSpec
 from dspark_export.sizing import size_engine
 from dspark_export.staging import staged
-from dspark_export.weight_choice import Choice, choose_weights, quantized_format
+from dspark_export.weight_choice import Choice, choose_weights, cpu_format
 from dspark_common.engine_dir import (
     DRAFTER_GRAPH,
     TARGET_GRAPH,
@@ -121,7 +121,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  kv_memory: int | None = None, gamma: int | None = None, draft_vocab: DraftVocab | None = None,
                  smooth: bool = False) -> Path:
     """Write the engine directory `out`; returns it. `weights` default to `auto_weights`' choice (measured on this
-    CPU; the dtype's float for a small target); the drafter's to `default_drafter_weights`. The context defaults to what `kv_memory` holds. `gamma` unrolls
+    CPU; the dtype's float for a small target; w8a8 with `smooth`); the drafter's to `default_drafter_weights`. The
+    context defaults to what `kv_memory` holds. `gamma` unrolls
     an EAGLE-3 drafter that many steps a round instead of the γ it was trained with; `draft_vocab` prunes the
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
     `draft_vocab.default_size` where the drafter's or target's folder holds token counts). `smooth` applies SmoothQuant
@@ -136,8 +137,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     tokenizer = ChatTokenizer.from_dir(folder)
     source = _drafter_source(drafter_dir, spec, checkpoint, tokenizer, backend, gamma, draft_vocab)
     if weights is None:
-        choice = Choice(quantized_format("w8a8"), {}, {}, "--smooth smooths w8a8's activations") if smooth else \
-            auto_weights(spec.config, backend, dtype, source and source.config)
+        choice = auto_weights(spec.config, backend, dtype, source and source.config, smooth)
         weights, smooth = choice.weights, smooth or choice.weights.per_channel
         if show_progress or choice.steps:
             print(choice.line(), file=sys.stderr)
@@ -223,9 +223,12 @@ def _drafter_source(drafter_dir: Path | None, spec: TargetSpec, checkpoint, toke
     return source
 
 
-def auto_weights(config: DecoderConfig, backend: str, dtype: str, drafter: DrafterConfig | None) -> Choice:
-    """The weights of a build that names none: on ONNX Runtime, the format `weight_choice.choose_weights` measures
-    fastest on this CPU; on TensorRT, the dtype's float."""
+def auto_weights(config: DecoderConfig, backend: str, dtype: str, drafter: DrafterConfig | None,
+                 smooth: bool = False) -> Choice:
+    """The weights of a build that names none: w8a8 when asked to `smooth` (its option); else on ONNX Runtime the
+    format `weight_choice.choose_weights` measures fastest on this CPU; on TensorRT, the dtype's float."""
+    if smooth:
+        return Choice(cpu_format("w8a8"), {}, {}, "--smooth smooths w8a8's activations")
     if backend != "ort":
         return Choice(float_weights(dtype), {}, {}, "TensorRT engines keep float weights")
     layers, rows, gamma = (drafter.num_layers, drafter.draft_vocab_size or config.vocab_size, drafter.gamma) \

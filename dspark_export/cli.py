@@ -10,7 +10,7 @@ import click
 from dspark_export.build import BACKENDS
 from dspark_export.config import DTYPES
 from dspark_export.graphs.weights import WEIGHT_FORMATS, WeightFormat
-from dspark_export.weight_choice import AUTO
+from dspark_export.weight_choice import AUTO, cpu_format
 from dspark_export.presets import KNOWN_TARGETS
 from dspark_export.sizing import DESKTOP_SLOTS
 from dspark_common.cli_common import DSparkGroup, parse_size, prompt_options
@@ -113,11 +113,9 @@ def draft_vocab_options(command):
 
 
 def weight_format(weights: str | None, block_size: int, accuracy_level: int = 4) -> WeightFormat | None:
-    """--weights as a WeightFormat (w8a8 codes as this CPU sums them exactly); None for auto (or none named): the
-    build chooses (`build.auto_weights`)."""
-    from dspark_common.cpu import int8_code_max
-
-    return None if weights in (None, AUTO) else WeightFormat(weights, block_size, accuracy_level, int8_code_max())
+    """--weights as this CPU computes it (`weight_choice.cpu_format`); None for auto (or none named): the build
+    chooses (`build.auto_weights`)."""
+    return None if weights in (None, AUTO) else cpu_format(weights, block_size, accuracy_level)
 
 
 def weight_formats(text: str) -> list[str]:

@@ -58,11 +58,6 @@ class Choice:
                 f"shapes: {times}{'; ' + self.why if self.why else ''}; dspark-export build --weights NAME chooses)")
 
 
-def float_bytes(config: DecoderConfig) -> int:
-    """The target's weights in float32."""
-    return 4 * (config.num_hidden_layers * layer_weights(config) + 2 * config.vocab_size * config.hidden_size)
-
-
 def layer_weights(config: DecoderConfig) -> int:
     """Weights of one decoder layer's projections."""
     h, d = config.hidden_size, config.head_dim
@@ -76,9 +71,9 @@ def auto_candidates(config: DecoderConfig, dtype: str) -> tuple[list[WeightForma
     SmoothQuant, calibrated with the torch model)."""
     if dtype != "float32":
         return [float_weights(dtype)], f"--dtype {dtype}: the quantized formats compute in float32"
-    if float_bytes(config) <= SMALL_TARGET_BYTES:
+    if 4 * config.num_parameters() <= SMALL_TARGET_BYTES:
         return [float_weights(dtype)], "a small target keeps its float weights"
-    formats = [quantized_format(name) for name in CANDIDATES]
+    formats = [cpu_format(name) for name in CANDIDATES]
     formats = [f for f in formats if not (f.blocked and any(w % f.block_size for w in config.input_widths()))]
     why = ""
     if importlib.util.find_spec("torch") is None:
@@ -152,11 +147,11 @@ def last_level_cache() -> int:
     return max(sizes, default=0)
 
 
-def quantized_format(name: str) -> WeightFormat:
-    """A quantized format in its defaults, w8a8's codes as this CPU sums them exactly."""
+def cpu_format(name: str, block_size: int = 32, accuracy_level: int = 4) -> WeightFormat:
+    """Weight format `name` as this CPU computes it: w8a8's codes as its int8 kernel sums them exactly."""
     from dspark_common.cpu import int8_code_max
 
-    return WeightFormat(name, code_max=int8_code_max())
+    return WeightFormat(name, block_size, accuracy_level, int8_code_max())
 
 
 def _probe_graph(config: DecoderConfig, fmt: WeightFormat, layers: int, path: Path) -> Path:

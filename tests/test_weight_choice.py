@@ -62,7 +62,7 @@ def test_small_targets_float_builds_and_missing_torch_narrow_the_candidates(monk
 def test_the_probe_times_both_formats_at_every_row_count():
     """A real ONNX Runtime run of the probe graph at the demo's (small) shapes."""
     demo = resolve_target("demo").config
-    formats = [weight_choice.quantized_format(name) for name in weight_choice.CANDIDATES]
+    formats = [weight_choice.cpu_format(name) for name in weight_choice.CANDIDATES]
     timed = probe(demo, formats, [1, 4], 1)
     assert set(timed) == {"int4", "w8a8"}
     assert all(set(by_rows) == {1, 4} and all(t > 0 for t in by_rows.values()) for by_rows in timed.values())
