@@ -38,6 +38,7 @@ from dspark_common.engine_dir import (
 )
 from dspark_common.engine_checks import ENGINE_BACKENDS
 from dspark_common.errors import DSparkError
+from dspark_common.native import operators_library
 from dspark_common.tokenizer import ChatTokenizer
 
 BACKENDS = ("auto", *ENGINE_BACKENDS)  # auto: TensorRT where it is installed and a GPU is there, else ONNX Runtime
@@ -80,8 +81,11 @@ def check_options(config: DecoderConfig, backend: str, dtype: str, weights: Weig
         raise DSparkError(
             f"--drafter-weights {drafter_weights.name}: the drafter computes in float32; use fp32, int8, int4 or w8a8"
         )
-    if weights.per_channel and dtype != "float32":
-        raise DSparkError("--weights w8a8 computes in float32 between its integer products: use --dtype float32")
+    if (weights.per_channel or weights.int4_rows) and dtype != "float32":
+        raise DSparkError(f"--weights {weights.name} computes in float32 between its integer products: use --dtype "
+                          "float32")
+    if weights.int4_rows:
+        operators_library()  # its operators build on this machine, or one clear line says why not
     if weights.blocked:
         bad = [w for w in config.input_widths() if w % weights.block_size]
         if bad:
@@ -93,12 +97,12 @@ REAL_SIZE_HIDDEN = 1024  # every Qwen3, Qwen2.5 and Llama-3.x has at least this 
 
 
 def default_drafter_weights(backend: str, weights: WeightFormat, config: DecoderConfig) -> WeightFormat:
-    """ONNX Runtime: the target's own format beside an int4 or w8a8 target (a drafter call scores γ+1 rows, which
+    """ONNX Runtime: the target's own format beside an int4, w8a8 or w4a8 target (a drafter call scores γ+1 rows, which
     w8a8's integer products take at nearly the price of one), else int8; TensorRT: float32. At real size in blocks
     of 128 where they divide the widths: the drafter's numbers never touch losslessness (the target verifies every
     draft), and MatMulNBits is faster with them than with 32, while the target keeps the blocks under which ONNX
     Runtime computes a row alike alone and in a batch (`profiling.one_row_drift` checks)."""
-    name = "fp32" if backend != "ort" else weights.name if weights.name in ("int4", "w8a8") else "int8"
+    name = "fp32" if backend != "ort" else weights.name if weights.name in ("int4", "w8a8", "w4a8") else "int8"
     real = config.hidden_size >= REAL_SIZE_HIDDEN and not any(w % DRAFTER_BLOCK for w in config.input_widths())
     return WeightFormat(name, max(weights.block_size, DRAFTER_BLOCK) if real else weights.block_size,
                         weights.accuracy_level, weights.code_max)

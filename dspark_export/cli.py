@@ -42,9 +42,12 @@ def engine_options(command):
             type=click.Choice((AUTO, *WEIGHT_FORMATS)),
             default=None,
             help="Target weights: fp32/fp16/bf16 (the --dtype's), block-quantized int8/int4 (a GGUF target's "
-                 "default: its own, Q4_0 and Q8_0 blocks carried over exactly), or w8a8: int8 per output channel "
+                 "default: its own, Q4_0 and Q8_0 blocks carried over exactly), w8a8: int8 per output channel "
                  "with activations quantized per row, whose integer products make verifying several tokens cost "
-                 "little more than one on a CPU (7-bit codes on x86 without VNNI). auto (the default for other "
+                 "little more than one on a CPU (7-bit codes on x86 without VNNI), or w4a8: int4 in blocks of 32 "
+                 "with activations quantized per row, through DSpark's own AVX2 operators (compiled once with the "
+                 "system's C compiler): int4's bytes for a token alone, integer products for several. auto (the "
+                 "default for other "
                  "checkpoints): on ONNX Runtime the build times int4 and w8a8 at the target's shapes on this CPU "
                  "and keeps the faster (w8a8 with --smooth, which needs torch); small targets keep fp32.",
         ),

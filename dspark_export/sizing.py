@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from dspark_export.checkpoint import expected_shapes
 from dspark_export.config import DTYPE_BYTES, DecoderConfig
+from dspark_common import int4_rows
 from dspark_common.errors import ConfigError
 from dspark_export.graphs.weights import Carrier, Layout, WeightFormat
 
@@ -33,6 +34,8 @@ def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carri
         # products) and a float32 scale per output channel
         tied = config.tie_word_embeddings * config.vocab_size * config.hidden_size
         return matrices + tied + 4 * output_channels(config) + vectors * DTYPE_BYTES[dtype]
+    if weights.int4_rows:  # half a byte a weight and a float16 scale per 32; a tied embedding is its head's tiles
+        return int(matrices * (0.5 + 2 / int4_rows.BLOCK)) + vectors * DTYPE_BYTES[dtype]
     layout = weights.bits and Layout(weights.bits, weights.block_size)
     total = int(matrices * bytes_per_weight(layout, dtype)) + vectors * DTYPE_BYTES[dtype]
     if carrier is not None and layout:

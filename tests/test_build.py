@@ -157,7 +157,7 @@ def test_tensorrt_backend_without_tensorrt_names_the_extra(tmp_path, target):
     assert not (tmp_path / "engine").exists()
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int4", "w8a8"])
+@pytest.mark.parametrize("weights", ["fp32", "int4", "w8a8", "w4a8"])
 def test_inspect_and_build_size_an_engine_alike(tmp_path, target, weights):
     """The context a KV budget holds and the weights' size: what `inspect` predicts is what `build` writes."""
     import json

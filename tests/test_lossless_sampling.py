@@ -33,7 +33,7 @@ def no_residual(target_probs, draft_probs, draft_tokens, uniform):
     return len(draft_tokens), sample(target_probs[len(draft_tokens)], uniform(len(draft_tokens), 1))
 
 
-@pytest.fixture(scope="module", params=["fp32", "int4", "w8a8", "fp32-draft-vocab-220"])
+@pytest.fixture(scope="module", params=["fp32", "int4", "w8a8", "w4a8", "fp32-draft-vocab-220"])
 def skewed_engine_dir(tmp_path_factory, request):
     """The echo engine with a random Markov bias: drafts agree with the target often, but q differs from p; the
     third drafts over 220 of the 300 tokens only (chosen by random frequencies), so q is 0 on tokens p can take."""

@@ -23,7 +23,8 @@ from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
 from dspark_export.graphs.ggml_rounding import q8_k_rounding
-from dspark_common.engine_checks import WEIGHT_FORMATS
+from dspark_common import int4_rows
+from dspark_common.engine_checks import INT4_ROWS, WEIGHT_FORMATS
 from dspark_common.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
@@ -38,9 +39,10 @@ ONNX_DTYPES = {
 }
 ALIGN = 64
 FLOAT_WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # weight format -> its dtype
-QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8}
+QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8, "w4a8": 4}
 PER_CHANNEL = "w8a8"  # the format of per-channel int8 weights and per-row int8 activations
 ACTIVATION_ZERO = 128  # a w8a8 activation code is uint8, its zero at 128 (ONNX Runtime's QGEMM takes u8 x s8)
+TILES, TILE_SCALES = ".tiles", ".tile_scales"  # w4a8 initializer suffixes
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
 
@@ -105,12 +107,20 @@ class WeightFormat:
         return self.name == PER_CHANNEL
 
     @property
+    def int4_rows(self) -> bool:
+        """int4 weights in tiles for `ai.dspark`'s `Int4RowsMatMul`, activations quantized per row (`w4a8`)."""
+        return self.name == INT4_ROWS
+
+    @property
     def blocked(self) -> bool:
-        """Weights quantized in blocks along the input axis (int8, int4)."""
-        return self.bits is not None and not self.per_channel
+        """Weights quantized in blocks along the input axis for ONNX Runtime's `MatMulNBits` (int8, int4)."""
+        return self.bits is not None and not self.per_channel and not self.int4_rows
 
     def __str__(self) -> str:
         """"int4 weights in blocks of 32", "w8a8 weights (8-bit codes, ...)", "fp32 weights"."""
+        if self.int4_rows:
+            return ("w4a8 weights (int4 in blocks of 32 with float16 scales, activations quantized per row: DSpark's "
+                    "own operators)")
         if self.per_channel:
             return (f"w8a8 weights ({self.code_max.bit_length() + 1}-bit codes per output channel, activations "
                     "quantized per row)")
@@ -181,6 +191,8 @@ def format_values(rows: np.ndarray, weights: WeightFormat) -> np.ndarray:
     """float32 rows [n, K] as an engine of the quantized format `weights` computes with them."""
     if weights.per_channel:
         return channel_quantized_values(rows, weights.code_max)
+    if weights.int4_rows:
+        return int4_rows.unpack(*int4_rows.pack(rows))[: len(rows)]
     return quantized_values(rows, weights.bits, weights.block_size)
 
 
@@ -269,7 +281,9 @@ class Weights:
         """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
         lender, theirs = self.lender, self.borrowed[name]
         keys = [theirs]
-        if lender._quantizes(theirs):  # w8a8 lays codes out for products and, apart, for an embedding's gathers
+        if lender._quantizes(theirs) and lender.format.int4_rows:
+            keys = [theirs + TILES, theirs + TILE_SCALES]
+        elif lender._quantizes(theirs):  # w8a8 lays codes out for products and, apart, for an embedding's gathers
             codes = ".rows" if lender.format.per_channel and not float_input else ".q"
             keys = [theirs + codes, theirs + ".scales"] + [theirs + ".zp"] * (theirs + ".zp" in lender.initializers)
         missing = [key for key in keys if key not in lender.initializers]
@@ -284,8 +298,14 @@ class Weights:
     def _quantizes(self, name: str) -> bool:
         if self.format.bits is None:
             return False
-        width = self.read(name)[0].shape[1]
-        if self.format.per_channel or width % self.format.block_size == 0:
+        outputs, width = self.read(name)[0].shape
+        if self.format.int4_rows and width % int4_rows.BLOCK:
+            if self.strict:
+                raise ConfigError(f"w4a8 needs input widths that 32 divides; {name} is {outputs} x {width}")
+            return False
+        if self.format.int4_rows and outputs % int4_rows.TILE and not self.strict:
+            return False  # a drafter's small head (the confidence's one output) stays float; a target's is padded
+        if self.format.int4_rows or self.format.per_channel or width % self.format.block_size == 0:
             return True
         if self.strict:
             raise ConfigError(
@@ -319,6 +339,12 @@ class Weights:
             return b.op("Gemm", x, self._tensor(names), *([self._tensor(biases)] if biases else []), transB=1)
         if self.format.per_channel:
             return self._integer_product(b, x, names, biases)
+        if self.format.int4_rows:
+            y = b.op(int4_rows.MATMUL, x, *self._tiles(names), domain=int4_rows.DOMAIN)
+            n = sum(self.read(name)[0].shape[0] for name in names)
+            if n % int4_rows.TILE:  # the last tile's padding columns
+                y = b.op("Slice", y, b.const([0]), b.const([n]), b.const([-1]))
+            return b.op("Add", y, self._tensor(biases)) if biases else y
         if len(names) > 1 and len({self._layout_of(name) for name in names}) > 1:  # carried in different layouts
             return b.op("Concat", *[self.linear(b, x, name, biases[i] if biases else None)
                                     for i, name in enumerate(names)], axis=-1)
@@ -343,6 +369,8 @@ class Weights:
             return self._borrow(b, ids, name, lambda lender, ids, theirs: lender.embedding(b, ids, theirs), False)
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
+        if self.format.int4_rows:  # rows of a [vocab, hidden] table are a tied head's output columns: one copy
+            return b.op(int4_rows.GATHER, ids, *self._tiles([name]), domain=int4_rows.DOMAIN)
         if self.format.per_channel:  # rows of the codes, laid out [vocab, hidden] beside a tied head's [hidden, vocab]
             codes, scales = self._channels([name], rows=True)
             flat = b.op("Reshape", ids, b.const([-1]))
@@ -387,8 +415,9 @@ class Weights:
             peak = b.op("ReduceMax", b.op("Abs", x), b.const([-1]), keepdims=1)
             scale = b.op("Max", b.op("Div", peak, b.const(127.0, np.float32)),
                          b.const(np.finfo(np.float32).tiny, np.float32))
-            shifted = b.op("Add", b.op("Round", b.op("Div", x, scale)), b.const(float(ACTIVATION_ZERO), np.float32))
-            self._row_quantized[key] = b.op("Cast", shifted, to=TensorProto.UINT8), scale
+            codes = b.op("QuantizeLinear", b.op("Div", x, scale), b.const(1.0, np.float32),
+                         b.const(ACTIVATION_ZERO, np.uint8))  # round half to even, + the zero, as uint8
+            self._row_quantized[key] = codes, scale
         return self._row_quantized[key]
 
     def _channels(self, names: list[str], rows: bool = False) -> tuple[str, str]:
@@ -418,6 +447,31 @@ class Weights:
             if scales_name not in self.initializers:
                 self._add(scales_name, np.concatenate(scales), "float32")
                 self._done(len(names))
+        return codes_name, scales_name
+
+    def _tiles(self, names: list[str]) -> tuple[str, str]:
+        """The w4a8 codes and float16 scales (`int4_rows.pack`) of the weights `names` stacked along their outputs,
+        zero rows added to fill the last tile."""
+        key = "+".join(names)
+        codes_name, scales_name = key + TILES, key + TILE_SCALES
+        if codes_name not in self.initializers:
+            arrays = [self.read(name) for name in names]
+            n, k = sum(array.shape[0] for array, _ in arrays), arrays[0][0].shape[1]
+            step = max(int4_rows.TILE, CHUNK_ELEMENTS // k // int4_rows.TILE * int4_rows.TILE)
+            scales = []
+
+            def chunks() -> Iterator[np.ndarray]:  # stacked (q, k, v) rows whole, one matrix's a slice at a time
+                rows, stored = (np.concatenate([as_float32(*array) for array in arrays]), "float32") \
+                    if len(arrays) > 1 else arrays[0]
+                for start in range(0, n, step):
+                    codes, chunk_scales = int4_rows.pack(as_float32(rows[start : start + step], stored))
+                    scales.append(chunk_scales)
+                    yield codes
+
+            shape = (-(-n // int4_rows.TILE), k // int4_rows.BLOCK, 4 * int4_rows.BLOCK)
+            self.initializers[codes_name] = self.store.add_chunks(codes_name, shape, "uint8", chunks())
+            self._add(scales_name, np.concatenate(scales), "float16")
+            self._done(len(names))
         return codes_name, scales_name
 
     def _layout_of(self, name: str) -> Layout:

@@ -13,7 +13,8 @@ from typing import Any, Callable
 from dspark_common.errors import EngineError
 from dspark_common.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES
 
-WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "w8a8")  # how an engine stores its weights
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "w8a8", "w4a8")  # how an engine stores its weights
+INT4_ROWS = "w4a8"  # the format whose graphs use DSpark's own operators (dspark_common.native)
 ENGINE_BACKENDS = ("ort", "trt")  # what an engine is built for: ONNX Runtime, TensorRT
 REBUILD = "rebuild the engine with `dspark-export build --force`"
 FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")

@@ -44,7 +44,7 @@ Prompt = str | list[int] | list[dict[str, Any]]
 QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
 # weight formats whose engines run every step in pairs unless told otherwise: their row products are exact integers,
 # so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% (docs/benchmarks.md)
-EXACT_BY_DEFAULT = ("w8a8",)
+EXACT_BY_DEFAULT = ("w8a8", "w4a8")
 
 @dataclass(frozen=True)
 class Completion:
