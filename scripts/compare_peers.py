@@ -343,7 +343,7 @@ def main() -> None:
                         help="pass --no-repack to llama.cpp (its Q4_0/Q8_0 repacking crashed at load on some CPUs)")
     parser.add_argument("--exact-greedy", action=argparse.BooleanOptionalAction, default=None,
                         help="DSpark steps an even number of rows (`dspark-run --exact-greedy`): every mode's greedy "
-                             "output then equals `off`'s (default: the engine's, on for w8a8)")
+                             "output then equals `off`'s (default: the engine's, on for w8a8 and w4a8)")
     parser.add_argument("--llama-cpp-flags", action="append", default=[], metavar="FLAGS",
                         help="also run llama.cpp with these flags added (repeatable; named `llama.cpp-TYPE FLAGS`): "
                              "its agreement with the plain llama.cpp peer is the noise floor of its own arithmetic")

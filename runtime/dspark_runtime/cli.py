@@ -34,7 +34,8 @@ def engine_options(command):
         callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
         help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
              "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more. "
-             "Default: on for w8a8 engines (a second row of integer products costs little), off for the others.")(command)
+             "Default: on for w8a8 and w4a8 engines (a second row of integer products costs little), off for the "
+             "others.")(command)
     command = click.option(
         "--drafter", default=None, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("drafter", value),

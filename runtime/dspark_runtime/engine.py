@@ -43,7 +43,8 @@ Prompt = str | list[int] | list[dict[str, Any]]
 
 QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
 # weight formats whose engines run every step in pairs unless told otherwise: their row products are exact integers,
-# so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% (docs/benchmarks.md)
+# so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% on w8a8, 5-20% on w4a8
+# (docs/benchmarks.md)
 EXACT_BY_DEFAULT = ("w8a8", "w4a8")
 
 @dataclass(frozen=True)
@@ -190,8 +191,8 @@ class Engine:
         does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
         (`dspark-run profile` reports it: ONNX Runtime's attention everywhere, its int4 kernels on AVX2 without VNNI
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
-        steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 engines
-        (`EXACT_BY_DEFAULT`), whose integer products cost little more for a second row, and off for the others.
+        steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 and w4a8
+        engines (`EXACT_BY_DEFAULT`), whose integer products cost little more for a second row, and off for the others.
         """
         folder = Path(path)
         manifest = read_manifest(folder)
