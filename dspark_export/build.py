@@ -98,12 +98,14 @@ REAL_SIZE_HIDDEN = 1024  # every Qwen3, Qwen2.5 and Llama-3.x has at least this 
 
 def default_drafter_weights(backend: str, weights: WeightFormat, config: DecoderConfig) -> WeightFormat:
     """ONNX Runtime: the target's own format beside an int4, w8a8 or w4a8 target (a drafter call scores γ+1 rows, which
-    w8a8's integer products take at nearly the price of one), else int8; TensorRT: float32. At real size in blocks
-    of 128 where they divide the widths: the drafter's numbers never touch losslessness (the target verifies every
-    draft), and MatMulNBits is faster with them than with 32, while the target keeps the blocks under which ONNX
-    Runtime computes a row alike alone and in a batch (`profiling.one_row_drift` checks)."""
-    name = "fp32" if backend != "ort" else weights.name if weights.name in ("int4", "w8a8", "w4a8") else "int8"
+    w8a8's integer products take at nearly the price of one), else int4 at real size (an int8 target's: a Q5_K_M or
+    Q8_0 file's; an 8-bit drafter read 2x the bytes and called 1.6x as long) and int8 below it; TensorRT: float32. At
+    real size in blocks of 128 where they divide the widths: the drafter's numbers never touch losslessness (the
+    target verifies every draft), and MatMulNBits is faster with them than with 32, while the target keeps the blocks
+    under which ONNX Runtime computes a row alike alone and in a batch (`profiling.one_row_drift` checks)."""
     real = config.hidden_size >= REAL_SIZE_HIDDEN and not any(w % DRAFTER_BLOCK for w in config.input_widths())
+    own = weights.name if weights.name in ("int4", "w8a8", "w4a8") else "int4" if real else "int8"
+    name = "fp32" if backend != "ort" else own
     return WeightFormat(name, max(weights.block_size, DRAFTER_BLOCK) if real else weights.block_size,
                         weights.accuracy_level, weights.code_max)
 

@@ -210,6 +210,9 @@ class Checkpoint:
     def rounds_activations(self, name: str) -> bool:
         return False
 
+    def ggml_blocks(self, name: str) -> None:
+        return None
+
     def lm_head_name(self) -> str:
         return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
 

@@ -98,7 +98,8 @@ def draft_vocab_options(command):
 
         from dspark_export.drafters.draft_vocab import DraftVocab
 
-        chosen = draft_vocab and DraftVocab(draft_vocab, tuple(Path(f) for f in draft_vocab_counts))
+        counts = tuple(Path(f) for f in draft_vocab_counts)
+        chosen = DraftVocab(draft_vocab, counts) if draft_vocab or counts else None
         return command(*args, draft_vocab=chosen, **kwargs)
 
     options = [
@@ -107,8 +108,8 @@ def draft_vocab_options(command):
                           "lossless either way). build: ONNX Runtime engines default to half the vocabulary (at most "
                           "32768) where the drafter's or target's folder holds token_counts.json."),
         click.option("--draft-vocab-counts", type=click.Path(dir_okay=False, exists=True), multiple=True,
-                     help="Token frequencies for --draft-vocab: distillation .npz files or a .json of counts per "
-                          "token id (repeatable)."),
+                     help="Token frequencies for --draft-vocab (alone: its default size): distillation .npz files or a "
+                          ".json of counts per token id (repeatable)."),
     ]
     for option in reversed(options):
         with_draft_vocab = option(with_draft_vocab)

@@ -10,7 +10,9 @@ file's own numbers: Q4_0 is (q - 8)·d with q a nibble and Q8_0 q·d with q a si
 scale (MatMulNBits' layout once the nibbles are re-paired and the bytes offset by 128); Q6_K is d·s·(q - 32) per
 16 weights (8-bit codes in blocks of 16 with zero point 32); Q4_K and Q5_K are d·sc·q - dmin·m per 32 weights (codes
 with zero point 0, scales d·sc, and offsets -dmin·m that their products add as a float product with the input's
-per-32 sums). K-quant products round their activations as llama.cpp's do (`rounds_activations`).
+per-32 sums). K-quant products round their activations as llama.cpp's do (`rounds_activations`). Where DSpark's
+own operators build (x86-64 with a C compiler), K-quant matrices go to them instead as their raw blocks
+(`ggml_blocks`), multiplied as ggml multiplies them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dspark_export.gguf_checks import FLOAT, INTEGER, check_file, check_tokenize
 from dspark_export.gguf_reader import ARRAY, BOOL, FLOATS, INTEGERS, STRING, GGUFContents, read_gguf, type_name
 from dspark_export.graphs.weights import Carried, Layout, WeightFormat
 from dspark_export.staging import remove_orphans
+from dspark_common import k_quant_rows, native
 from dspark_common.errors import CheckpointError
 
 GGUF_FILE = "model.gguf"  # the link to the file inside a prepared side folder
@@ -431,6 +434,15 @@ class GGUFCheckpoint:
         engine does too."""
         return self.tensors[name].tensor_type.name in ROUNDS_ACTIVATIONS
 
+    def ggml_blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """A Q4_K, Q5_K or Q6_K matrix's type and blocks [rows, bytes per row] (rows in Hugging Face's order), for
+        DSpark's operators that multiply them as ggml does (`k_quant_rows`); None for other types, or where this
+        machine cannot build the operators (its engines carry K-quants into `MatMulNBits`, `carried`)."""
+        kind = self.tensors[name].tensor_type.name
+        if kind not in k_quant_rows.BLOCK_BYTES or not native.usable():
+            return None
+        return kind, self._rows(name)
+
     def carried(self, name: str) -> Carried | None:
         """This matrix's own codes and scales in MatMulNBits' layout, exact; None for a type it cannot hold.
 
@@ -470,7 +482,8 @@ def quantization_report(checkpoint: GGUFCheckpoint, weights: WeightFormat) -> di
         kind = name.split(".")[-2]
         if len(tensor.shape) != 2 or kind in exact or kind in requantized:
             continue
-        if weights.bits is None or (weights.blocked and checkpoint.carried_layout(name)):
+        if weights.bits is None or (weights.blocked and (checkpoint.carried_layout(name) or
+                                                         checkpoint.ggml_blocks(name))):
             exact.add(kind)
             continue
         values = checkpoint.float32(name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dspark_export.checkpoint import expected_shapes
 from dspark_export.config import DTYPE_BYTES, DecoderConfig
-from dspark_common import int4_rows
+from dspark_common import int4_rows, k_quant_rows
 from dspark_common.errors import ConfigError
 from dspark_export.graphs.weights import Carrier, Layout, WeightFormat
 
@@ -40,9 +40,12 @@ def weight_bytes(config: DecoderConfig, weights: WeightFormat, dtype: str, carri
     total = int(matrices * bytes_per_weight(layout, dtype)) + vectors * DTYPE_BYTES[dtype]
     if carrier is not None and layout:
         for name, shape in expected_shapes(config).items():
-            carried = len(shape) == 2 and carrier.carried_layout(name)
-            if carried:
-                total += int(shape[0] * shape[1] * (bytes_per_weight(carried, dtype) - bytes_per_weight(layout, dtype)))
+            if len(shape) != 2:
+                continue
+            k_quant, carried = carrier.ggml_blocks(name), carrier.carried_layout(name)
+            own = k_quant_rows.bytes_per_weight(k_quant[0]) if k_quant else carried and bytes_per_weight(carried, dtype)
+            if own:
+                total += int(shape[0] * shape[1] * (own - bytes_per_weight(layout, dtype)))
     return total
 
 

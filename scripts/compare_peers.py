@@ -276,13 +276,17 @@ def deepspec_drafter(drafter: str, model_dir: Path, work: Path) -> Path:
     return out
 
 
-def gguf_engine(gguf: Path, drafter: str | None, work: Path) -> Path:
-    """A DSpark engine built from the GGUF file llama.cpp runs (with the drafter), profiled, written once."""
+def gguf_engine(gguf: Path, drafter: str | None, work: Path, model_dir: Path) -> Path:
+    """A DSpark engine built from the GGUF file llama.cpp runs (with the drafter, over the draft vocabulary that
+    `model_dir`'s token counts give the engine built from it), profiled, written once."""
     out = work / f"{gguf.stem}-dspark-engine"
     if not (out / "hardware_curve.json").is_file():
+        from dspark_export.drafters.draft_vocab import COUNTS_FILE
         from dspark_export.presets import resolve_target
 
         drafter_options = ["--drafter", drafter] if drafter else ["--no-drafter"]
+        if drafter and (model_dir / COUNTS_FILE).is_file():  # a GGUF file has none beside it
+            drafter_options += ["--draft-vocab-counts", str(model_dir / COUNTS_FILE)]
         context = min(2048, resolve_target(None, gguf).config.max_position_embeddings)
         subprocess.run(["dspark-export", "build", "--target-path", str(gguf), *drafter_options, "--cache-slots", "1",
                         "--max-context", str(context), "--out", str(out), "--force"], check=True, capture_output=True)
@@ -399,7 +403,7 @@ def main() -> None:
         if args.llama_cpp is None:
             parser.error("--gguf-engine needs --llama-cpp (its converter and llama-quantize write the file)")
         gguf = gguf_file(args.llama_cpp, model_dir, args.work, gguf_type, model_dir.name)
-        engine = gguf_engine(gguf, args.drafter or manifest.drafter_name, args.work)
+        engine = gguf_engine(gguf, args.drafter or manifest.drafter_name, args.work, model_dir)
         runners.append(Runner("dspark", common | {"engine_dir": str(engine), "modes": modes, "prefix": "gguf-"}))
     for other in args.also_engine:
         prefix = read_manifest(Path(other)).weights + "-"

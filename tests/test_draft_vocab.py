@@ -33,6 +33,7 @@ def test_counts_come_from_distillation_files_or_a_counts_file(tmp_path):
     counts = tmp_path / "counts.json"
     counts.write_text(json.dumps({"counts": list(range(300))}))
     assert DraftVocab(3, (counts,)).choose(300, 300)[0].tolist() == [297, 298, 299]
+    assert DraftVocab(None, (counts,)).choose(300, 300)[0].tolist() == list(range(150, 300))  # counts alone: half
     with pytest.raises(ConfigError, match="needs 300 non-negative counts"):
         counts.write_text(json.dumps([1, 2, 3]))
         DraftVocab(3, (counts,)).choose(300, 300)

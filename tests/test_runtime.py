@@ -347,7 +347,7 @@ def test_profile_says_when_its_rounds_were_timed_on_a_busy_machine():
     assert len(busy) == 1 and "quiet machine" in busy[0]
     drifting = quiet | {"one_row_drift": 7.7e-3}
     assert "--exact-greedy" in profile_notes(drifting)[0] and "1.31x" in profile_notes(drifting)[0]
-    assert "in pairs by default" in profile_notes(drifting, "w8a8")[0]
+    assert "runs every step in pairs" in profile_notes(drifting, "w8a8", paired=True)[0]
     costly = profile_notes(quiet, "int4")
     assert len(costly) == 1 and "3.2 one-token steps with int4" in costly[0] and "--weights w8a8" in costly[0]
     flat = quiet | {"target_seconds": [0.06 * (1 + 0.04 * b) for b in range(8)]}

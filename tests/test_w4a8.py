@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from dspark_common import int4_rows
 from dspark_common.errors import DSparkError, MissingDependencyError
-from dspark_common.native import operators_library
+from dspark_common.native import DOMAIN, operators_library
 from dspark_export.build import check_options
 from dspark_export.graphs.model_file import uses_domain
 from dspark_export.checkpoint import as_float32
@@ -32,9 +32,9 @@ def session_of(tmp_path, weight: np.ndarray, emit, inputs: list, outputs: list) 
     b = GraphBuilder()
     b.op("Identity", emit(weights, b), name="y")
     store.close()
-    assert uses_domain(b.nodes, int4_rows.DOMAIN)
+    assert uses_domain(b.nodes, DOMAIN)
     graph = helper.make_graph(b.nodes, "g", inputs, outputs, list(weights.initializers.values()))
-    model = helper.make_model(graph, opset_imports=[*opset_imports(), helper.make_opsetid(int4_rows.DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[*opset_imports(), helper.make_opsetid(DOMAIN, 1)])
     onnx.save(model, str(graph_file))
     onnx.checker.check_model(str(graph_file))
     options = ort.SessionOptions()

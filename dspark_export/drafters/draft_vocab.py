@@ -32,14 +32,16 @@ COUNTS_FILE = "token_counts.json"  # token frequencies kept beside a drafter or 
 
 @dataclass(frozen=True)
 class DraftVocab:
-    """`--draft-vocab N` with its frequency source."""
+    """`--draft-vocab N` with its frequency source (without N: `default_size`)."""
 
-    size: int
+    size: int | None
     counts: tuple[Path, ...]  # distillation .npz files, or one .json counts file
 
     def choose(self, vocab: int, tokens: int | None) -> tuple[np.ndarray, str]:
         """(the chosen target ids, ascending; a description of the source) for a target of `vocab` rows whose
         tokenizer has `tokens` tokens."""
+        if self.size is None:
+            return DraftVocab(default_size(vocab), self.counts).choose(vocab, tokens)
         if not 1 <= self.size <= vocab:
             raise ConfigError(f"--draft-vocab {self.size} must lie in 1..{vocab} (the target's vocabulary)")
         if self.size == vocab:

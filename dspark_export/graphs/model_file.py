@@ -13,7 +13,7 @@ from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import opset_imports, varlen_attention_function
 from dspark_common.engine_dir import FORMAT_VERSION
 from dspark_common.graph_io import GraphIO, Tensor
-from dspark_common.int4_rows import DOMAIN as DSPARK_DOMAIN
+from dspark_common.native import DOMAIN as DSPARK_DOMAIN
 
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's fused kernels (MatMulNBits, GroupQueryAttention, ...)
 

@@ -9,7 +9,8 @@ is used) for ONNX Runtime's `MatMulNBits` and `GatherBlockQuantized`, whose `acc
 on CPUs. `w8a8` stores int8 weights with one scale per output channel, transposed to [in, out], and quantizes
 each activation row to int8 at run time (one scale per row): the products are integer `MatMulInteger`s through
 ONNX Runtime's packed QGEMM, whose cost barely grows with the rows, and a row computes the same whatever other
-rows share its step.
+rows share its step. A GGUF file's own quantized matrices (a `carrier`'s) keep their blocks: Q4_0 and Q8_0 in
+`MatMulNBits`, K-quants on DSpark's `KQuantMatMul` (`dspark_common.k_quant_rows`), which multiplies as ggml does.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from onnx import TensorProto
 
 from dspark_export.checkpoint import as_float32
 from dspark_export.graphs.ggml_rounding import q8_k_rounding
-from dspark_common import int4_rows
+from dspark_common import int4_rows, k_quant_rows
 from dspark_common.engine_checks import INT4_ROWS, WEIGHT_FORMATS
+from dspark_common.native import DOMAIN
 from dspark_common.errors import ConfigError
 from dspark_plugins.builder import GraphBuilder
 
@@ -43,6 +45,7 @@ QUANTIZED_BITS = {"int8": 8, "int4": 4, "w8a8": 8, "w4a8": 4}
 PER_CHANNEL = "w8a8"  # the format of per-channel int8 weights and per-row int8 activations
 ACTIVATION_ZERO = 128  # a w8a8 activation code is uint8, its zero at 128 (ONNX Runtime's QGEMM takes u8 x s8)
 TILES, TILE_SCALES = ".tiles", ".tile_scales"  # w4a8 initializer suffixes
+K_QUANT_SUFFIXES = tuple(".k_" + part for part in k_quant_rows.PARTS)  # a GGUF K-quant matrix's operator inputs
 CHUNK_ELEMENTS = 1 << 22  # rows are quantized this many weights at a time (16 MB of float32)
 Reader = Callable[[str], tuple[np.ndarray, str]]  # tensor name -> (stored array, its dtype; bfloat16 as uint16 bits)
 
@@ -80,6 +83,8 @@ class Carrier(Protocol):
     def carried(self, name: str) -> Carried | None: ...
 
     def rounds_activations(self, name: str) -> bool: ...
+
+    def ggml_blocks(self, name: str) -> tuple[str, np.ndarray] | None: ...
 
 
 @dataclass(frozen=True)
@@ -281,7 +286,9 @@ class Weights:
         """`emit(lender, x, its name)` in the lender's dtype, between casts from (a float `x`) and back to ours."""
         lender, theirs = self.lender, self.borrowed[name]
         keys = [theirs]
-        if lender._quantizes(theirs) and lender.format.int4_rows:
+        if theirs + K_QUANT_SUFFIXES[0] in lender.initializers:
+            keys = [theirs + suffix for suffix in K_QUANT_SUFFIXES]
+        elif lender._quantizes(theirs) and lender.format.int4_rows:
             keys = [theirs + TILES, theirs + TILE_SCALES]
         elif lender._quantizes(theirs):  # w8a8 lays codes out for products and, apart, for an embedding's gathers
             codes = ".rows" if lender.format.per_channel and not float_input else ".q"
@@ -340,14 +347,13 @@ class Weights:
         if self.format.per_channel:
             return self._integer_product(b, x, names, biases)
         if self.format.int4_rows:
-            y = b.op(int4_rows.MATMUL, x, *self._tiles(names), domain=int4_rows.DOMAIN)
-            n = sum(self.read(name)[0].shape[0] for name in names)
-            if n % int4_rows.TILE:  # the last tile's padding columns
-                y = b.op("Slice", y, b.const([0]), b.const([n]), b.const([-1]))
-            return b.op("Add", y, self._tensor(biases)) if biases else y
+            return self._sliced_product(b, b.op(int4_rows.MATMUL, x, *self._tiles(names), domain=DOMAIN), names, biases)
         if len(names) > 1 and len({self._layout_of(name) for name in names}) > 1:  # carried in different layouts
             return b.op("Concat", *[self.linear(b, x, name, biases[i] if biases else None)
                                     for i, name in enumerate(names)], axis=-1)
+        k_quant = self._k_quant_tiles(names)
+        if k_quant:  # a GGUF's K-quant blocks, multiplied as ggml multiplies them
+            return self._sliced_product(b, b.op(k_quant_rows.MATMUL, x, *k_quant, domain=DOMAIN), names, biases)
         codes, scales, zero_points, layout, n, k = self._quantized(names)
         if self.carrier and self.carrier.rounds_activations(names[0]):  # as llama.cpp computes the file's blocks
             x = q8_k_rounding(b, x)
@@ -362,6 +368,13 @@ class Weights:
         sums = b.op("ReduceSum", b.op("Reshape", x, blocks), b.const([-1]), keepdims=0)  # [.., K/block]
         return b.op("Add", y, b.op("MatMul", sums, "+".join(names) + ".offsets"))
 
+    def _sliced_product(self, b: GraphBuilder, y: str, names: list[str], biases: list[str]) -> str:
+        """A product over tiles of 8 columns without the last tile's padding columns, plus the biases."""
+        n = sum(self.read(name)[0].shape[0] for name in names)
+        if n % int4_rows.TILE:
+            y = b.op("Slice", y, b.const([0]), b.const([n]), b.const([-1]))
+        return b.op("Add", y, self._tensor(biases)) if biases else y
+
     def embedding(self, b: GraphBuilder, ids: str, name: str) -> str:
         """Rows `ids` of the [vocab, hidden] table `name`, dequantized in the graph when the format quantizes (the
         same codes serve a tied LM head)."""
@@ -370,7 +383,10 @@ class Weights:
         if not self._quantizes(name):
             return b.op("Gather", self(name), ids)
         if self.format.int4_rows:  # rows of a [vocab, hidden] table are a tied head's output columns: one copy
-            return b.op(int4_rows.GATHER, ids, *self._tiles([name]), domain=int4_rows.DOMAIN)
+            return b.op(int4_rows.GATHER, ids, *self._tiles([name]), domain=DOMAIN)
+        k_quant = self._k_quant_tiles([name])
+        if k_quant:
+            return b.op(k_quant_rows.GATHER, ids, *k_quant, domain=DOMAIN)
         if self.format.per_channel:  # rows of the codes, laid out [vocab, hidden] beside a tied head's [hidden, vocab]
             codes, scales = self._channels([name], rows=True)
             flat = b.op("Reshape", ids, b.const([-1]))
@@ -473,6 +489,36 @@ class Weights:
             self._add(scales_name, np.concatenate(scales), "float16")
             self._done(len(names))
         return codes_name, scales_name
+
+    def _k_quant_tiles(self, names: list[str]) -> list[str] | None:
+        """The `ai.dspark` K-quant inputs (`k_quant_rows.pack`) of the weights `names` stacked along their outputs,
+        when the carrier holds them all as ggml blocks of one K-quant type (or a lender's graph has them); else None.
+        Packed a slice of rows at a time: the codes streamed, the rest (a quarter of a byte a weight at most) held."""
+        key = "+".join(names)
+        inputs = [key + suffix for suffix in K_QUANT_SUFFIXES]
+        if inputs[0] in self.initializers:
+            return inputs
+        blocks = [self.carrier.ggml_blocks(name) for name in names] if self.carrier and self.format.blocked else [None]
+        if not all(blocks) or len({kind for kind, _ in blocks}) > 1:
+            return None
+        kind, k = blocks[0][0], self.read(names[0])[0].shape[1]
+        rows = np.concatenate([raw for _, raw in blocks]) if len(blocks) > 1 else blocks[0][1]
+        step = max(int4_rows.TILE, CHUNK_ELEMENTS // k // int4_rows.TILE * int4_rows.TILE)
+        rest: dict[str, list[np.ndarray]] = {part: [] for part in k_quant_rows.PARTS[1:]}
+
+        def codes() -> Iterator[np.ndarray]:
+            for start in range(0, len(rows), step):
+                packed = k_quant_rows.pack(rows[start : start + step], kind)
+                for part in rest:
+                    rest[part].append(packed[part])
+                yield packed["codes"]
+
+        shape = (-(-len(rows) // int4_rows.TILE), k // int4_rows.BLOCK, 4 * int4_rows.BLOCK)
+        self.initializers[inputs[0]] = self.store.add_chunks(inputs[0], shape, "uint8", codes())
+        for name, part in zip(inputs[1:], rest):
+            self._add(name, np.concatenate(rest[part]), "float32" if part == "supers" else "uint8")
+        self._done(len(names))
+        return inputs
 
     def _layout_of(self, name: str) -> Layout:
         """The layout `name` is stored in: the carrier's own, else the format's."""

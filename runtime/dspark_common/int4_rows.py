@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-DOMAIN = "ai.dspark"
 MATMUL, GATHER = "Int4RowsMatMul", "Int4RowsGather"
 BLOCK = 32  # weights per scale along K
 TILE = 8  # output columns per tile
@@ -23,10 +22,17 @@ def pack(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = (peak / -8).astype(np.float16)
     scales[scales == 0] = 1
     codes = (np.clip(np.rint(blocks / scales[..., None].astype(np.float32)), -8, 7) + 8).astype(np.uint8)
+    column_scales = scales.reshape(n // TILE, TILE, k // BLOCK).transpose(0, 2, 1)
+    return tile_nibbles(codes.reshape(n, k)), np.ascontiguousarray(column_scales)
+
+
+def tile_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [N, K] (N a multiple of 8) -> [N/8, K/32, 128] bytes: per tile and block chunk c (32 bytes) holds
+    k = 8c..8c+3 of each column in its low nibbles and 8c+4..8c+7 in its high ones, 4 bytes a column."""
+    n, k = codes.shape
     nibbles = codes.reshape(n // TILE, TILE, k // BLOCK, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # tile, block, c, half,
     tiles = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # column, k: the low nibble k = 8c + k', the high +4
-    return (np.ascontiguousarray(tiles.reshape(n // TILE, k // BLOCK, 4 * BLOCK)),
-            np.ascontiguousarray(scales.reshape(n // TILE, TILE, k // BLOCK).transpose(0, 2, 1)))
+    return np.ascontiguousarray(tiles.reshape(n // TILE, k // BLOCK, 4 * BLOCK))
 
 
 def unpack(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

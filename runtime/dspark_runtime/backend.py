@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from dspark_common.engine_checks import INT4_ROWS
 from dspark_common.engine_dir import DRAFTER_GRAPH, TARGET_GRAPH, Manifest
 from dspark_common.errors import EngineError
 from dspark_common.errors import DSparkError, MissingDependencyError
 from dspark_common.graph_io import GraphIO
-from dspark_common.native import operators_library
+from dspark_common.native import operators_library, uses_operators
 from dspark_runtime.kv_cache import KVCache
 from dspark_runtime.runner import Batch
 
@@ -64,12 +63,12 @@ class OrtRunner:
     the runner writes the graph's `new_*` rows at the batch's cache rows)."""
 
     def __init__(self, path: Path, io: GraphIO, threads: int, providers: list[str] | None = None,
-                 shared_pool: bool = False, dspark_operators: bool = False):
-        """`dspark_operators`: the graph uses DSpark's own `ai.dspark` operators (a w4a8 engine's)."""
+                 shared_pool: bool = False):
+        """A graph that imports DSpark's own `ai.dspark` operators (w4a8's, GGUF K-quants') gets their library."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        if dspark_operators:
+        if uses_operators(path):
             options.register_custom_ops_library(str(operators_library()))
         if shared_pool:
             share_thread_pool(threads)
@@ -165,11 +164,10 @@ class OrtBackend:
             raise MissingDependencyError(
                 "CUDA was requested but onnxruntime has no CUDA provider: pip install 'dspark[gpu]'"
             )
-        target = OrtRunner(folder / TARGET_GRAPH, manifest.target_io(), self.thread_count, providers, self.shared_pool,
-                           manifest.weights == INT4_ROWS)
+        target = OrtRunner(folder / TARGET_GRAPH, manifest.target_io(), self.thread_count, providers, self.shared_pool)
         drafter_io = manifest.drafter_io()
         drafter = drafter_io and OrtRunner(folder / DRAFTER_GRAPH, drafter_io, self.thread_count, providers,
-                                           self.shared_pool, manifest.drafter_weights == INT4_ROWS)
+                                           self.shared_pool)
         return target, drafter
 
     def machine(self) -> dict[str, Any]:

@@ -34,8 +34,8 @@ def engine_options(command):
         callback=lambda ctx, param, value: ctx.meta.__setitem__("exact_greedy", value),
         help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
              "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more. "
-             "Default: on for w8a8 and w4a8 engines (a second row of integer products costs little), off for the "
-             "others.")(command)
+             "Default: on for w8a8 and w4a8 engines and GGUF K-quant ones (a second row of integer products costs "
+             "little), off for the others.")(command)
     command = click.option(
         "--drafter", default=None, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("drafter", value),
@@ -436,7 +436,7 @@ def profile(engine_dir, context, rounds, threads) -> None:
                f"{1e3 * curve['greedy_draft_seconds'][0]:.2f} ms greedy; largest spread between rounds "
                f"{100 * spread['target']:.0f}% (target), {100 * spread['drafter']:.0f}% (drafter); "
                f"written to {engine.folder / 'hardware_curve.json'}")
-    for note in profile_notes(curve, engine.manifest.weights):
+    for note in profile_notes(curve, engine.manifest.weights, engine.exact_greedy):
         click.echo(f"note: {note}")
 
 
@@ -444,12 +444,10 @@ NOISY_SPREAD = 0.25  # rounds that still disagree by more than this after a seco
 COSTLY_VERIFICATION = 2.0  # a block-quantized engine verifying 8 tokens at more than this many one-token steps
 
 
-def profile_notes(curve: dict, weights: str = "fp32") -> list[str]:
+def profile_notes(curve: dict, weights: str = "fp32", paired: bool = False) -> list[str]:
     """What `profile` says beyond its figures: rounds timed on a busy machine, a CPU whose lone rows compute
-    otherwise, and a block-quantized engine whose verification costs many plain steps (w8a8's integer products
-    would not)."""
-    from dspark_runtime.engine import EXACT_BY_DEFAULT
-
+    otherwise (and whether the engine, `paired`, runs every step in pairs), and a block-quantized engine whose
+    verification costs many plain steps (w8a8's integer products would not)."""
     notes = []
     target = curve["target_seconds"]
     cost = target[min(7, len(target) - 1)] / target[0]
@@ -465,9 +463,10 @@ def profile_notes(curve: dict, weights: str = "fp32") -> list[str]:
         drift = (f"on this CPU the target computes a token alone with other kernels than in a batch (logits differ by "
                  f"up to {curve['one_row_drift']:.1e}): ")
         pair = target[min(1, len(target) - 1)] / target[0]
-        if weights in EXACT_BY_DEFAULT:
-            notes.append(drift + f"{weights} engines run every step in pairs by default, so greedy output is the same "
-                         f"in every mode (--no-exact-greedy runs a plain step alone, {pair:.2f}x cheaper here).")
+        if paired:
+            notes.append(drift + "this engine runs every step in pairs (w8a8, w4a8 and GGUF K-quant engines by "
+                         "default, or --exact-greedy), so greedy output is the same in every mode (--no-exact-greedy "
+                         f"runs a plain step alone, {pair:.2f}x cheaper here).")
         else:
             notes.append(drift + "greedy speculation can differ from `--spec off` where two tokens nearly tie; "
                          f"--exact-greedy makes every mode compute alike (a plain step then costs {pair:.2f}x, what a "

@@ -20,6 +20,7 @@ from dspark_runtime.core import EngineCore
 from dspark_runtime.backend import OrtBackend
 from dspark_common.engine_dir import (
     HARDWARE_CURVE,
+    TARGET_GRAPH,
     Manifest,
     read_calibration,
     read_manifest,
@@ -27,6 +28,7 @@ from dspark_common.engine_dir import (
     sts_by_temperature,
 )
 from dspark_common.engine_checks import REBUILD
+from dspark_common.native import uses_operators
 from dspark_common.errors import DSparkError, EngineError, InvalidRequestError, read_json_file
 from dspark_runtime.output import Delta, OutputState
 from dspark_common.randomness import KeyedRandom
@@ -44,7 +46,7 @@ Prompt = str | list[int] | list[dict[str, Any]]
 QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
 # weight formats whose engines run every step in pairs unless told otherwise: their row products are exact integers,
 # so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% on w8a8, 5-20% on w4a8
-# (docs/benchmarks.md)
+# (docs/benchmarks.md); so do engines whose target multiplies on DSpark's operators (a GGUF file's K-quants: 6%)
 EXACT_BY_DEFAULT = ("w8a8", "w4a8")
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class Engine:
         machine: dict | None = None,
         exact_greedy: bool = False,
     ):
-        self.folder, self.manifest, self.tokenizer = folder, manifest, tokenizer
+        self.folder, self.manifest, self.tokenizer, self.exact_greedy = folder, manifest, tokenizer, exact_greedy
         self.machine = machine or {}  # what the speed curve is measured on (the backend's `machine()`)
         self.core = EngineCore(manifest, target, drafter, curve, sts_by_temperature(calibration or {}) or None,
                                2 if exact_greedy else 1)
@@ -191,8 +193,9 @@ class Engine:
         does and greedy output is the same in every mode even where this CPU computes a lone row with other kernels
         (`dspark-run profile` reports it: ONNX Runtime's attention everywhere, its int4 kernels on AVX2 without VNNI
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
-        steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 and w4a8
-        engines (`EXACT_BY_DEFAULT`), whose integer products cost little more for a second row, and off for the others.
+        steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 and w4a8 engines
+        (`EXACT_BY_DEFAULT`) and targets on DSpark's operators (GGUF K-quants), whose integer products cost little
+        more for a second row, and off for the others.
         """
         folder = Path(path)
         manifest = read_manifest(folder)
@@ -206,7 +209,7 @@ class Engine:
         target, drafter = backend.open(folder, manifest)
         here = backend.machine()
         if exact_greedy is None:
-            exact_greedy = manifest.weights in EXACT_BY_DEFAULT
+            exact_greedy = manifest.weights in EXACT_BY_DEFAULT or uses_operators(folder / TARGET_GRAPH)
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
                      here, exact_greedy)
         elsewhere = curve is not None and bool(_differences(curve, here))

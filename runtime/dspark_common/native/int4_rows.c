@@ -11,12 +11,12 @@
 // activation sum, and the block's dot is scaled in float32 with one FMA, blocks in order. Every row runs the same
 // instructions whatever the other rows: its result does not depend on them (a token verified in a batch computes
 // what it computes alone). Column tiles are shared out over ONNX Runtime's own thread pool.
-#include <immintrin.h>
 #include <float.h>
+#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "ort_abi.h"
 
 #define ROW_TILE 4  // rows sharing one unpacking of a weight tile
 
@@ -92,89 +92,6 @@ static void quantize_rows(const float* x, int M, int K, int8_t* a, int32_t* zero
     }
 }
 
-// ---- ONNX Runtime's C ABI: the few entries used, by their slot in the OrtApi table (stable: ONNX Runtime only
-// appends to it) and OrtCustomOp's layout (version 14 fields and the ones after, left empty).
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtShapeInfo OrtShapeInfo;
-typedef struct OrtApiBase {
-    const void* const* (*GetApi)(uint32_t version);
-    const char* (*GetVersionString)(void);
-} OrtApiBase;
-
-enum { FLOAT = 1, UINT8 = 2, INT64 = 7, FLOAT16 = 10 };  // ONNXTensorElementDataType
-enum { ORT_FAIL = 1 };
-enum {
-    CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
-    GET_TENSOR_MUTABLE_DATA = 51, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62, GET_TENSOR_TYPE_AND_SHAPE = 65,
-    KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_STATUS = 93,
-    RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
-};
-static const void* const* api;  // the OrtApi table
-#define CALL(slot, type, ...) (((type)api[slot])(__VA_ARGS__))
-
-typedef struct OrtCustomOp {
-    uint32_t version;
-    void* (*CreateKernel)(const struct OrtCustomOp*, const void*, const OrtKernelInfo*);
-    const char* (*GetName)(const struct OrtCustomOp*);
-    const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
-    int (*GetInputType)(const struct OrtCustomOp*, size_t);
-    size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
-    int (*GetOutputType)(const struct OrtCustomOp*, size_t);
-    size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
-    void (*KernelCompute)(void*, OrtKernelContext*);
-    void (*KernelDestroy)(void*);
-    int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
-    int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
-    int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
-    int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
-    int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
-    int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
-    int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
-    void* later[9];  // CreateKernelV2 .. ReleaseAliasMap: unused (version 14)
-} OrtCustomOp;
-
-// A tensor's data and shape (at most 8 axes).
-typedef struct {
-    void* data;
-    int64_t dims[8];
-    size_t rank;
-} Tensor;
-
-static Tensor input(OrtKernelContext* context, size_t index) {
-    Tensor t = {0};
-    const OrtValue* value = NULL;
-    void* info = NULL;
-    CALL(KERNEL_CONTEXT_GET_INPUT, OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**), context, index,
-         &value);
-    CALL(GET_TENSOR_MUTABLE_DATA, OrtStatus* (*)(const OrtValue*, void**), value, &t.data);
-    CALL(GET_TENSOR_TYPE_AND_SHAPE, OrtStatus* (*)(const OrtValue*, void**), value, &info);
-    CALL(GET_DIMENSIONS_COUNT, OrtStatus* (*)(const void*, size_t*), info, &t.rank);
-    if (t.rank > 8) t.rank = 8;
-    CALL(GET_DIMENSIONS, OrtStatus* (*)(const void*, int64_t*, size_t), info, t.dims, t.rank);
-    CALL(RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, void (*)(void*), info);
-    return t;
-}
-
-static void* output(OrtKernelContext* context, const int64_t* dims, size_t rank) {
-    OrtValue* value = NULL;
-    void* data = NULL;
-    CALL(KERNEL_CONTEXT_GET_OUTPUT, OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**),
-         context, 0, dims, rank, &value);
-    CALL(GET_TENSOR_MUTABLE_DATA, OrtStatus* (*)(OrtValue*, void**), value, &data);
-    return data;
-}
-
-static int64_t leading(const Tensor* t) {  // the product of all but the last axis
-    int64_t rows = 1;
-    for (size_t i = 0; i + 1 < t->rank; i++) rows *= t->dims[i];
-    return rows;
-}
-
 #define TILES_PER_TASK 8  // column tiles a thread-pool task computes
 
 typedef struct {
@@ -202,10 +119,7 @@ static void matmul_compute(void* kernel, OrtKernelContext* context) {
     (void)kernel;
     const Tensor x = input(context, 0), codes = input(context, 1), scales = input(context, 2);
     const int K = (int)x.dims[x.rank - 1], N = (int)codes.dims[0] * 8, M = (int)leading(&x);
-    int64_t dims[8];
-    memcpy(dims, x.dims, sizeof(dims));
-    dims[x.rank - 1] = N;
-    float* y = (float*)output(context, dims, x.rank);
+    float* y = product_output(context, &x, N);
     if (M == 0) return;
     int8_t* a = (int8_t*)malloc((size_t)M * K);
     int32_t* zero_sums = (int32_t*)malloc(sizeof(int32_t) * (size_t)M * (K / 32));
@@ -213,8 +127,7 @@ static void matmul_compute(void* kernel, OrtKernelContext* context) {
     quantize_rows((const float*)x.data, M, K, a, zero_sums, row_scales);
     Product p = {(const uint8_t*)codes.data, (const uint16_t*)scales.data, a, zero_sums, row_scales, M, K, N, y};
     const size_t tasks = (size_t)(N / 8 + TILES_PER_TASK - 1) / TILES_PER_TASK;
-    CALL(KERNEL_CONTEXT_PARALLEL_FOR, OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t,
-                                                      void*), context, product_task, tasks, 0, &p);
+    parallel_for(context, product_task, tasks, &p);
     free(a);
     free(zero_sums);
     free(row_scales);
@@ -225,10 +138,8 @@ static void gather_compute(void* kernel, OrtKernelContext* context) {
     (void)kernel;
     const Tensor ids = input(context, 0), codes = input(context, 1), scales = input(context, 2);
     const int blocks = (int)codes.dims[1], K = blocks * 32;
-    int64_t dims[9], count = 1;
-    for (size_t i = 0; i < ids.rank; i++) dims[i] = ids.dims[i], count *= ids.dims[i];
-    dims[ids.rank] = K;
-    float* rows = (float*)output(context, dims, ids.rank + 1);
+    int64_t count;
+    float* rows = gather_output(context, &ids, K, &count);
     for (int64_t r = 0; r < count; r++) {
         const int64_t id = ((const int64_t*)ids.data)[r];
         const uint8_t* tile = (const uint8_t*)codes.data + (size_t)(id / 8) * blocks * 128;
@@ -246,49 +157,11 @@ static void gather_compute(void* kernel, OrtKernelContext* context) {
     }
 }
 
-static void* create_kernel(const OrtCustomOp* op, const void* ort_api, const OrtKernelInfo* info) {
-    (void)op, (void)ort_api, (void)info;
-    return (void*)1;  // stateless
-}
 static const char* matmul_name(const OrtCustomOp* op) { (void)op; return "Int4RowsMatMul"; }
 static const char* gather_name(const OrtCustomOp* op) { (void)op; return "Int4RowsGather"; }
-static const char* cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int matmul_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? FLOAT : i == 1 ? UINT8 : FLOAT16; }
 static int gather_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? INT64 : i == 1 ? UINT8 : FLOAT16; }
 static size_t three(const OrtCustomOp* op) { (void)op; return 3; }
-static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
-static int float_output(const OrtCustomOp* op, size_t i) { (void)op, (void)i; return FLOAT; }
-static void destroy(void* kernel) { (void)kernel; }
-static int required(const OrtCustomOp* op, size_t i) { (void)op, (void)i; return 0; }
-static int default_memory(const OrtCustomOp* op, size_t i) { (void)op, (void)i; return 0; }
-static int arity(const OrtCustomOp* op) { (void)op; return 1; }
 
-static OrtCustomOp MATMUL = {14, create_kernel, matmul_name, cpu, matmul_input_type, three, float_output, one,
-                             matmul_compute, destroy, required, required, default_memory, arity, arity, arity, arity,
-                             {0}};
-static OrtCustomOp GATHER = {14, create_kernel, gather_name, cpu, gather_input_type, three, float_output, one,
-                             gather_compute, destroy, required, required, default_memory, arity, arity, arity, arity,
-                             {0}};
-
-static OrtStatus* failure(const char* message) {
-    return CALL(CREATE_STATUS, OrtStatus* (*)(int, const char*), ORT_FAIL, message);
-}
-
-// ONNX Runtime's entry point for `SessionOptions.register_custom_ops_library`.
-__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                   const OrtApiBase* base) {
-    api = base->GetApi(16);
-    if (!api) return NULL;  // cannot even report: ONNX Runtime older than 1.16
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
-        return failure("the ai.dspark operators need a CPU with AVX2, FMA and F16C");
-    OrtCustomOpDomain* domain = NULL;
-    OrtStatus* status = CALL(CREATE_CUSTOM_OP_DOMAIN, OrtStatus* (*)(const char*, OrtCustomOpDomain**), "ai.dspark",
-                             &domain);
-    if (!status) status = CALL(CUSTOM_OP_DOMAIN_ADD, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*), domain,
-                               &MATMUL);
-    if (!status) status = CALL(CUSTOM_OP_DOMAIN_ADD, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*), domain,
-                               &GATHER);
-    if (!status) status = CALL(ADD_CUSTOM_OP_DOMAIN, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*), options,
-                               domain);
-    return status;
-}
+const OrtCustomOp INT4_ROWS_MATMUL = DSPARK_OP(matmul_name, matmul_input_type, three, matmul_compute);
+const OrtCustomOp INT4_ROWS_GATHER = DSPARK_OP(gather_name, gather_input_type, three, gather_compute);
