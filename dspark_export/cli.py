@@ -356,8 +356,8 @@ def without_nan(value):
     "--drafter-weights",
     type=click.Choice(WEIGHT_FORMATS),
     default=None,
-    help="Drafter weights (default on ONNX Runtime: the target's beside int4 or w8a8 target weights, else int8; "
-         "TensorRT: fp32).",
+    help="Drafter weights (default on ONNX Runtime: the target's beside int4, w8a8 or w4a8 target weights, else int4 "
+         "at real size and int8 below it; TensorRT: fp32).",
 )
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(
