@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from dspark_common import int4_rows
 from dspark_common.errors import DSparkError, MissingDependencyError
-from dspark_common.native import DOMAIN, operators_library
+from dspark_common.native import DOMAIN, operators_library, uses_operators
 from dspark_export.build import check_options
 from dspark_export.graphs.model_file import uses_domain
 from dspark_export.checkpoint import as_float32
@@ -36,6 +36,7 @@ def session_of(tmp_path, weight: np.ndarray, emit, inputs: list, outputs: list) 
     graph = helper.make_graph(b.nodes, "g", inputs, outputs, list(weights.initializers.values()))
     model = helper.make_model(graph, opset_imports=[*opset_imports(), helper.make_opsetid(DOMAIN, 1)])
     onnx.save(model, str(graph_file))
+    assert uses_operators(graph_file)  # what a runner registers the library by
     onnx.checker.check_model(str(graph_file))
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(operators_library()))
@@ -137,3 +138,14 @@ def test_stacked_bfloat16_matrices_pack_as_their_float_values(tmp_path, weight):
     values = np.concatenate([as_float32(halves["a"], "bfloat16"), as_float32(halves["b"], "bfloat16")])
     assert [int(d) for d in weights.initializers[codes].dims] == [N // 8, K // 32, 128]
     assert np.array_equal(onnx.numpy_helper.to_array(weights.initializers[scales], str(tmp_path)), int4_rows.pack(values)[1])
+
+
+def test_a_graph_without_dspark_operators_is_told_apart(tmp_path):
+    """`uses_operators` reads the opset imports from the file's protobuf fields: a graph of ONNX's own ops alone (its
+    node named after the domain, which a text search would mistake) does not import `ai.dspark`."""
+    node = helper.make_node("Identity", ["x"], ["y"], name=DOMAIN)
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2])  # noqa: E731
+    model = helper.make_model(helper.make_graph([node], DOMAIN, [value("x")], [value("y")]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(tmp_path / "plain.onnx"))
+    assert not uses_operators(tmp_path / "plain.onnx")

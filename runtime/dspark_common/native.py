@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from dspark_common.errors import MissingDependencyError
 
@@ -20,23 +21,59 @@ DOMAIN = "ai.dspark"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 def usable() -> bool:
     """Whether this machine can build the operators: an x86-64 CPU and a C compiler."""
-    return platform.machine().lower() in ("x86_64", "amd64") and shutil.which(os.environ.get("CC", "cc")) is not None
+    return _x86() and _compiler() is not None
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value, shift, at = value | (byte & 0x7F) << shift, shift + 7, at + 1
+        if byte < 0x80:
+            return value, at
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, bytes | None]]:
+    """A protobuf message's top-level fields: (number, bytes of a length-delimited one, else None)."""
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            _, at = _varint(data, at)
+        elif kind == 2:
+            length, at = _varint(data, at)
+            yield key >> 3, data[at : at + length]
+            at += length
+            continue
+        else:  # fixed 64 or 32 bits
+            at += 8 if kind == 1 else 4
+        yield key >> 3, None
 
 
 def uses_operators(graph_file: Path) -> bool:
-    """Whether a graph imports the `ai.dspark` domain (read without its weights)."""
-    import onnx
-
-    return any(entry.domain == DOMAIN for entry in onnx.load(str(graph_file), load_external_data=False).opset_import)
+    """Whether a graph imports the `ai.dspark` domain: ModelProto's opset_import (field 8) read from the file's
+    top-level fields (importing onnx would add a second to every engine load)."""
+    domain = DOMAIN.encode()
+    return any(number == 8 and value is not None and (1, domain) in _fields(value)
+               for number, value in _fields(Path(graph_file).read_bytes()))
 
 
 def operators_library() -> Path:
     """The compiled library, built here on first use; a clear error where this machine cannot build or run it."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _x86():
         raise MissingDependencyError(f"DSpark's operators need an x86-64 CPU with AVX2 (this is {platform.machine()})")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = _compiler()
     if compiler is None:
         raise MissingDependencyError("this engine's ONNX Runtime operators are compiled once with a C compiler; "
                                      "none was found (install gcc, or set CC)")
