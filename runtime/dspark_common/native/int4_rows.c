@@ -25,29 +25,36 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* w, const u
     const int blocks = K / 32;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m256i sums[ROW_TILE];
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i packed = _mm256_loadu_si256((const __m256i*)(w + (size_t)b * 128 + 32 * c));
             const __m256i low = _mm256_and_si256(packed, nibble);
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
                 const float* x = (const float*)(a + (size_t)r * K + 32 * b + 8 * c);  // 4 codes a lane, broadcast
                 const __m256i first = _mm256_castps_si256(_mm256_broadcast_ss(x));      // by a load alone
                 const __m256i second = _mm256_castps_si256(_mm256_broadcast_ss(x + 1));
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(low, first));
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, second));
+                __asm__("" : "+x"(sums[r]));  // a chunk's sums are done before the next chunk's loads
             }
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + (size_t)b * 8)));
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[r], ones),
                                                  _mm256_set1_epi32(zero_sums[(size_t)r * blocks + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
         _mm256_storeu_ps(y + (size_t)r * N + col, _mm256_mul_ps(acc[r], _mm256_set1_ps(row_scales[r])));
 }
