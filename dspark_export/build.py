@@ -19,7 +19,7 @@ from dspark_export.config import DTYPES, DecoderConfig
 from dspark_export.drafters.config import DrafterConfig
 from dspark_export.drafters.draft_vocab import COUNTS_FILE, DraftVocab, default_draft_vocab, with_draft_vocab
 from dspark_export.graphs.drafter import build_drafter_onnx
-from dspark_export.graphs.target import attention_for, build_target_onnx
+from dspark_export.graphs.target import attention_for, build_target_onnx, own_products
 from dspark_export.graphs.weights import FLOAT_WEIGHTS, WeightFormat, Weights, float_weights
 from dspark_export.interop import open_drafter
 from dspark_export.interop.source import DrafterSource
@@ -161,7 +161,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     gamma = drafter_config.gamma if drafter_config else 0
     size = size_engine(spec.config, cache_slots, dtype, weights, gamma, max_context, kv_memory, checkpoint)
     lowering = "ort" if backend == "ort" else "portable"
-    attention = attention_for(spec.config, lowering)
+    attention = attention_for(spec.config, lowering, own_products(weights, dtype, checkpoint))
     if show_progress:
         print(f"engine: {weights}, {dtype} activations; {size.line()}", file=sys.stderr)
         if source is None:
@@ -170,7 +170,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
             origin = drafter_config.extra.get("draft_vocab_source", "its d2t")
             print(f"drafter: drafts over {drafter_config.draft_vocab_size} of {spec.config.vocab_size} tokens "
                   f"({origin}; --draft-vocab {spec.config.vocab_size} keeps them all)", file=sys.stderr)
-        if lowering == "ort" and attention != "gqa":
+        if attention == "varlen" and lowering == "ort":
             print(f"note: GroupQueryAttention cannot serve head size {spec.config.head_dim}; "
                   "the target uses the portable attention op", file=sys.stderr)
     with staged(out) as staging:

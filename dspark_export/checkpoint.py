@@ -213,6 +213,9 @@ class Checkpoint:
     def ggml_blocks(self, name: str) -> None:
         return None
 
+    def k_quants(self) -> bool:
+        return False
+
     def lm_head_name(self) -> str:
         return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
 

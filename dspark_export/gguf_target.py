@@ -443,6 +443,12 @@ class GGUFCheckpoint:
             return None
         return kind, self._rows(name)
 
+    def k_quants(self) -> bool:
+        """Whether every matrix goes to DSpark's K-quant operators (`ggml_blocks`), so that every product of a row
+        is the same alone and in a batch."""
+        matrices = [tensor for tensor in self.tensors.values() if len(tensor.shape) == 2]
+        return native.usable() and all(tensor.tensor_type.name in k_quant_rows.BLOCK_BYTES for tensor in matrices)
+
     def carried(self, name: str) -> Carried | None:
         """This matrix's own codes and scales in MatMulNBits' layout, exact; None for a type it cannot hold.
 

@@ -499,7 +499,8 @@ def test_the_cli_on_the_shared_thread_pool_generates_what_the_api_does(echo_engi
 @pytest.mark.parametrize("weights, accuracy_level",
                          [("int4", 0), ("int8", 0), ("int4", 4), ("w8a8", 4), ("w4a8", 4)])
 def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
-    """Greedy speculation on a quantized engine equals that engine's own target-only output."""
+    """Greedy speculation on a quantized engine equals that engine's own target-only output: by pairing every step
+    on w8a8, by DSpark's own attention (rows independent, no pairs) on w4a8."""
     from dspark_export.graphs.weights import WeightFormat
 
     target = write_hf_checkpoint(tmp_path / "target", vocab_size=300, max_position_embeddings=64)
@@ -508,14 +509,16 @@ def test_a_quantized_target_is_the_target(tmp_path, weights, accuracy_level):
     folder = build_engine(resolve_target(None, target), tmp_path / "engine", drafter, "drafter", cache_slots=4,
                           max_batch_tokens=32, show_progress=False, weights=WeightFormat(weights, 16, accuracy_level))
     with Engine.load(folder, OrtBackend(threads=1)) as engine:
-        # w8a8 and w4a8 engines run every step in pairs unless told otherwise (exact greedy output on every CPU)
-        assert engine.core.row_multiple == (2 if weights in ("w8a8", "w4a8") else 1)
+        # w8a8 engines run every step in pairs unless told otherwise (exact greedy output on every CPU); w4a8 ones
+        # have DSpark's attention, which computes a lone row as in a batch
+        assert engine.manifest.attention == ("cached" if weights == "w4a8" else "gqa")
+        assert engine.core.row_multiple == (2 if weights == "w8a8" else 1)
         assert engine.core.drafting.loop_costs.row_multiple == engine.core.row_multiple  # drafts priced as padded
         plain = [engine.generate(p, GREEDY, spec="off").token_ids for p in PROMPTS]
         for spec in ("fixed:1", "fixed:3", "async"):
             handles = [engine.submit(p, GREEDY, spec=spec) for p in PROMPTS]
             assert [h.result().token_ids for h in handles] == plain, spec
-    if weights in ("w8a8", "w4a8"):
+    if weights == "w8a8":
         with Engine.load(folder, OrtBackend(threads=1), exact_greedy=False) as engine:
             assert engine.core.row_multiple == 1
 

@@ -3,8 +3,9 @@ sequential head (Markov, gated or RNN) and confidence head, and the draws.
 
 The block [anchor, MASK x (N-1)] of each request (N = γ rows, or 1 + γ in the layout whose anchor row drafts
 nothing) attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
-`DSparkVarlenAttention` call in bidirectional mode over [context tokens; block tokens]. The new context
-rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
+`DSparkVarlenAttention` call in bidirectional mode over [context tokens; block tokens] (DSpark's own
+`BlockAttention` where the products are DSpark's operators: w4a8). The new context rows' K/V are the outputs the
+runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dspark_export.graphs.sampler import Sampler
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
 from dspark_common.graph_io import GraphIO
+from dspark_common.native import DOMAIN as DSPARK_DOMAIN
 
 
 def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:
@@ -62,9 +64,13 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
             b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
         q = ops.rope(q, cos_blk, sin_blk)
         attended_all = f"attention_{layer}"
-        b.nodes.append(varlen_attention_node(
-            [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,
-             "cache_len"], attended_all, d, bidirectional=True, name=f"attention_node_{layer}"))
+        inputs = [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,
+                  "cache_len"]
+        if ops.weights.format.int4_rows:  # products on DSpark's operators: its attention too (the same contract)
+            b.op("BlockAttention", *inputs, name=attended_all, domain=DSPARK_DOMAIN)
+        else:
+            b.nodes.append(varlen_attention_node(inputs, attended_all, d, bidirectional=True,
+                                                 name=f"attention_node_{layer}"))
         return b.op("Reshape", b.op("Slice", attended_all, context_count, end, b.const([0])), flat_shape)
 
     h = ops.rms_norm(x, "layers.0.input_layernorm.weight")

@@ -11,6 +11,9 @@ inputs and outputs are the contract's (`dspark_common.graph_io`). Two lowerings 
   place; every norm after the first is `SkipSimplifiedLayerNormalization` (the residual add fused in); q, k
   and v are one projection (the MLP's gate and up are two: see `DecoderOps.swiglu`). Where `GroupQueryAttention`
   cannot serve a shape, the attention falls back to the portable op (`attention_for`) with the rest unchanged.
+  A float32 target whose products are DSpark's own operators (w4a8, GGUF K-quants: `own_products`) takes DSpark's
+  `CachedAttention` in its place (runtime/dspark_common/native/attention.c: the same inputs and in-place caches),
+  which computes a token the same alone and in a batch, so its greedy output needs no paired steps.
 
 Projections go through `Weights.linear` (float, or block-quantized `MatMulNBits`), the embedding through
 `Weights.embedding`; a tied LM head shares the embedding's tensor (and its codes when quantized).
@@ -33,13 +36,23 @@ from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, WeightFormat
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
 from dspark_common.graph_io import target_io
+from dspark_common.native import DOMAIN as DSPARK_DOMAIN
 
 LOWERINGS = ("portable", "ort")
+IN_PLACE = ("gqa", "cached")  # attentions that append to the caches in place, in the slot-padded layout
 
 
-def attention_for(config: DecoderConfig, lowering: str) -> str:
-    """"gqa" (ONNX Runtime's GroupQueryAttention) where the `ort` lowering can use it, else "varlen"."""
-    return "gqa" if lowering == "ort" and config.head_dim % 8 == 0 and config.head_dim <= 256 else "varlen"
+def attention_for(config: DecoderConfig, lowering: str, own_products: bool = False) -> str:
+    """"gqa" (ONNX Runtime's GroupQueryAttention) where the `ort` lowering can use it, "cached" (DSpark's, in its
+    place) where the products are DSpark's operators too, else "varlen"."""
+    if lowering != "ort" or config.head_dim % 8 or config.head_dim > 256:
+        return "varlen"
+    return "cached" if own_products else "gqa"
+
+
+def own_products(weights: WeightFormat, dtype: str, checkpoint: Checkpoint) -> bool:
+    """Whether a float32 target's products run on DSpark's operators (w4a8, a GGUF's K-quant blocks)."""
+    return dtype == "float32" and (weights.int4_rows or (weights.blocked and checkpoint.k_quants()))
 
 
 def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str = "float32",
@@ -53,9 +66,9 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     config = checkpoint.config
     graph_file = Path(graph_file)
     graph_file.parent.mkdir(parents=True, exist_ok=True)
-    attention = attention_for(config, lowering)
+    attention = attention_for(config, lowering, own_products(weights, dtype, checkpoint))
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
-                   config.hidden_size * len(feature_layers), dtype, in_place=attention == "gqa")
+                   config.hidden_size * len(feature_layers), dtype, in_place=attention in IN_PLACE)
     store = ExternalData(graph_file)
     stream = Weights(checkpoint.raw, store, dtype, weights, progress, carrier=checkpoint)
     b = GraphBuilder()
@@ -88,11 +101,11 @@ class TargetLayers:
                  one_slot: bool = False):
         self.b, self.ops, self.config, self.attention, self.one_slot = b, ops, config, attention, one_slot
         self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
-        self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention == "gqa" else \
+        self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention in IN_PLACE else \
             (io.cache_names("new_key"), io.cache_names("new_value"))
         d, inv_freq = config.head_dim, config.inverse_frequencies()
         self.heads = (config.num_attention_heads, config.num_key_value_heads)
-        if attention == "gqa":
+        if attention in IN_PLACE:
             angles = np.arange(cache_rows, dtype=np.float64)[:, None] * inv_freq[None]
             np_dtype = np.float16 if ops.dtype == TensorProto.FLOAT16 else np.float32
             self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)
@@ -122,6 +135,12 @@ class TargetLayers:
         """Attention output [T, Hq·D] of the layer's normed input; writes the layer's K/V outputs."""
         b, ops, c = self.b, self.ops, self.config
         keys, values = self.out[0][layer], self.out[1][layer]
+        if self.attention == "cached":  # GroupQueryAttention's inputs and in-place caches, rows independent
+            q, k, v = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias, self._to_slots)
+            out = b.op("CachedAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k",
+                       "query_seqlens", self.cos, self.sin, names=[b.name("attention"), keys, values],
+                       domain=DSPARK_DOMAIN)[0]
+            return self._from_slots(out)
         if self.attention == "gqa":  # in the slot-padded layout [S, M, ...]: the runtime's slot_rows, token_rows
             q, k, v = ops.attention_inputs(h, prefix, self.heads, c.qk_norm, c.qkv_bias, self._to_slots)
             out = b.op("GroupQueryAttention", q, k, v, self.past[0][layer], self.past[1][layer], "seqlens_k",

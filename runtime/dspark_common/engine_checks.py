@@ -50,7 +50,7 @@ MANIFEST_FIELDS: dict[str, Callable[[Any], bool]] = {
     "feature_layers": lambda v: isinstance(v, list) and all(_integer(t) for t in v),
     "weights": _one_of(*WEIGHT_FORMATS),
     "drafter_weights": lambda v: v is None or v in WEIGHT_FORMATS,
-    "attention": _one_of("varlen", "gqa"),
+    "attention": _one_of("varlen", "gqa", "cached"),
     "files": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),
     "sources": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),
     "format_version": lambda v: _integer(v),

@@ -43,7 +43,7 @@ class Manifest:
     feature_layers: list[int]
     weights: str = "fp32"  # the target's weight format: fp32 | fp16 | bf16 | int8 | int4
     drafter_weights: str | None = None  # the drafter's
-    attention: str = "varlen"  # the target graph's attention: "varlen" (the portable op) or "gqa" (caches in place)
+    attention: str = "varlen"  # the target's: "varlen" (the portable op), "gqa" or "cached" (DSpark's; caches in place)
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
     sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter")
     format_version: int = FORMAT_VERSION
@@ -62,7 +62,7 @@ class Manifest:
     def target_io(self) -> GraphIO:
         t = self.target
         return target_io(t["num_hidden_layers"], t["num_key_value_heads"], t["head_dim"], self.vocab_size,
-                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.attention == "gqa",
+                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.attention in ("gqa", "cached"),
                          self.cache_slots, self.cache_rows)
 
     def drafter_io(self) -> GraphIO | None:

@@ -35,7 +35,8 @@ def engine_options(command):
         help="Every step runs an even number of rows, at least two, so greedy output is the same in every mode even "
              "on a CPU whose kernels compute a lone row otherwise (`profile` says so); plain steps cost more. "
              "Default: on for w8a8 and w4a8 engines and GGUF K-quant ones (a second row of integer products costs "
-             "little), off for the others.")(command)
+             "little) built before their target had DSpark's own attention (exact without pairs), off for the others."
+             )(command)
     command = click.option(
         "--drafter", default=None, expose_value=False,
         callback=lambda ctx, param, value: ctx.meta.__setitem__("drafter", value),

@@ -46,7 +46,8 @@ Prompt = str | list[int] | list[dict[str, Any]]
 QUICK_PROFILE_ROUNDS = 3  # on load: a few seconds for the demo (`dspark-run profile` takes 5 rounds)
 # weight formats whose engines run every step in pairs unless told otherwise: their row products are exact integers,
 # so pairing only removes attention's lone-row path, and a second row costs a plain step 0-10% on w8a8, 5-20% on w4a8
-# (docs/benchmarks.md); so do engines whose target multiplies on DSpark's operators (a GGUF file's K-quants: 6%)
+# (docs/benchmarks.md); so do engines whose target multiplies on DSpark's operators (a GGUF file's K-quants: 6%), but
+# for those whose attention is DSpark's too (manifest attention "cached"), where a lone row computes as in a batch
 EXACT_BY_DEFAULT = ("w8a8", "w4a8")
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class Engine:
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
         steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 and w4a8 engines
         (`EXACT_BY_DEFAULT`) and targets on DSpark's operators (GGUF K-quants), whose integer products cost little
-        more for a second row, and off for the others.
+        more for a second row, and off for the others, and for targets with DSpark's attention (exact unpaired).
         """
         folder = Path(path)
         manifest = read_manifest(folder)
@@ -209,7 +210,8 @@ class Engine:
         target, drafter = backend.open(folder, manifest)
         here = backend.machine()
         if exact_greedy is None:
-            exact_greedy = manifest.weights in EXACT_BY_DEFAULT or uses_operators(folder / TARGET_GRAPH)
+            exact_greedy = manifest.attention != "cached" and (
+                manifest.weights in EXACT_BY_DEFAULT or uses_operators(folder / TARGET_GRAPH))
         engine = cls(folder, manifest, tokenizer, target, drafter, curve and SpeedCurve.from_json(curve), calibration,
                      here, exact_greedy)
         elsewhere = curve is not None and bool(_differences(curve, here))

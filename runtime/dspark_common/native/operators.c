@@ -1,10 +1,12 @@
 // DSpark's ONNX Runtime operators (domain ai.dspark), one library built by dspark_common.native from this folder's
-// sources: int4_rows.c (w4a8 engines) and k_quants.c (GGUF files' K-quant blocks as ggml computes them).
+// sources: int4_rows.c (w4a8 engines), k_quants.c (GGUF files' K-quant blocks as ggml computes them) and
+// attention.c (the attention of targets on those products).
 #include "ort_abi.h"
 
 const void* const* ort_api;
 
-extern const OrtCustomOp INT4_ROWS_MATMUL, INT4_ROWS_GATHER, K_QUANT_MATMUL, K_QUANT_GATHER;
+extern const OrtCustomOp INT4_ROWS_MATMUL, INT4_ROWS_GATHER, K_QUANT_MATMUL, K_QUANT_GATHER, CACHED_ATTENTION,
+    BLOCK_ATTENTION;
 
 void* stateless_kernel(const OrtCustomOp* op, const void* api, const OrtKernelInfo* info) {
     (void)op, (void)api, (void)info;
@@ -32,7 +34,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain* domain = NULL;
     OrtStatus* status = CALL(CREATE_CUSTOM_OP_DOMAIN, OrtStatus* (*)(const char*, OrtCustomOpDomain**), "ai.dspark",
                              &domain);
-    const OrtCustomOp* ops[] = {&INT4_ROWS_MATMUL, &INT4_ROWS_GATHER, &K_QUANT_MATMUL, &K_QUANT_GATHER};
+    const OrtCustomOp* ops[] = {&INT4_ROWS_MATMUL, &INT4_ROWS_GATHER, &K_QUANT_MATMUL, &K_QUANT_GATHER, &CACHED_ATTENTION,
+                                &BLOCK_ATTENTION};
     for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]) && !status; i++)
         status = CALL(CUSTOM_OP_DOMAIN_ADD, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*), domain, ops[i]);
     if (!status) status = CALL(ADD_CUSTOM_OP_DOMAIN, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*), options,

@@ -19,7 +19,7 @@ typedef struct OrtApiBase {
     const char* (*GetVersionString)(void);
 } OrtApiBase;
 
-enum { FLOAT = 1, UINT8 = 2, INT64 = 7, FLOAT16 = 10 };  // ONNXTensorElementDataType
+enum { FLOAT = 1, UINT8 = 2, INT32 = 6, INT64 = 7, FLOAT16 = 10 };  // ONNXTensorElementDataType
 enum { ORT_FAIL = 1 };
 enum {
     CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
@@ -73,13 +73,17 @@ static inline Tensor input(OrtKernelContext* context, size_t index) {
     return t;
 }
 
-static inline void* output(OrtKernelContext* context, const int64_t* dims, size_t rank) {
+static inline void* output_at(OrtKernelContext* context, size_t index, const int64_t* dims, size_t rank) {
     OrtValue* value = NULL;
     void* data = NULL;
     CALL(KERNEL_CONTEXT_GET_OUTPUT, OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**),
-         context, 0, dims, rank, &value);
+         context, index, dims, rank, &value);
     CALL(GET_TENSOR_MUTABLE_DATA, OrtStatus* (*)(OrtValue*, void**), value, &data);
     return data;
+}
+
+static inline void* output(OrtKernelContext* context, const int64_t* dims, size_t rank) {
+    return output_at(context, 0, dims, rank);
 }
 
 // The output of a product of x [.., K] with N columns: x's shape, its last axis N.

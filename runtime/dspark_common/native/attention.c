@@ -1,0 +1,261 @@
+// DSpark's attention over a KV cache appended in place (domain ai.dspark), in the slot-padded layout of
+// ONNX Runtime's GroupQueryAttention, which it replaces in targets whose products are DSpark's own:
+//   CachedAttention(q [S, M, Hq·D], k [S, M, Hkv·D], v [S, M, Hkv·D], past_key [S, Hkv, L, D], past_value,
+//                   seqlens_k [S] int32, query_seqlens [S] int32, cos [P, D/2], sin [P, D/2])
+//     -> out [S, M, Hq·D], present_key, present_value [S, Hkv, L, D]
+// Slot s's first n = query_seqlens[s] rows are its new tokens, at positions p = past + j (past = seqlens_k[s] + 1
+// - n); q and k are rotated there (rotate-half RoPE from the cos/sin tables), the new K and V are written at those
+// rows of the caches (present_* are the past_* buffers where the caller binds them so; otherwise past is copied
+// first), and query head h reads KV head h / (Hq / Hkv) over rows 0..p in position order. Padding rows are 0.
+//
+// Every query row is computed by the same instructions whatever else is in the step: its scores in groups of four
+// keys from position 0, each a fixed sum order over D; a two-pass softmax; the values summed in position order. So
+// a token verified in a batch gets the bits it gets alone, which GroupQueryAttention's one-row path does not give.
+// Each (slot, KV head) is one task on ONNX Runtime's thread pool; its K/V rows are read once for all its query rows.
+//
+// BlockAttention is the varlen contract's bidirectional op (dspark_plugins.contract) for a drafter on DSpark's
+// products, in place of the standard-op function body: token t attends to its slot's cache rows below cache_len
+// and to every new token of its slot; the caches are not written.
+//   BlockAttention(q [T, Hq, D], k_new [T, Hkv, D], v_new, k_cache [S, Hkv, L, D], v_cache, slot [T] int64,
+//                  pos [T] int64, cache_len [S] int64) -> out [T, Hq, D]
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "ort_abi.h"
+
+// e^x for x <= 0 (scores less their maximum), Cephes' polynomial on x = n·ln2 + r: about 2 ulp.
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// Rotate-half RoPE of one head's D values at one position into `out`.
+static void rotate(const float* x, const float* cos, const float* sin, int D, float* out) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    }
+}
+
+// The dots of two query rows with four keys (D floats each, D a multiple of 8), times `scale`: scores[r][0..3].
+static inline void scores_2x4(const float* const q[2], const float* const key[4], int D, float scale, float* scores[2]) {
+    __m256 acc[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 8) {
+        const __m256 q0 = _mm256_loadu_ps(q[0] + c), q1 = _mm256_loadu_ps(q[1] + c);
+        for (int i = 0; i < 4; i++) {
+            const __m256 k = _mm256_loadu_ps(key[i] + c);
+            acc[0][i] = _mm256_fmadd_ps(q0, k, acc[0][i]);
+            acc[1][i] = _mm256_fmadd_ps(q1, k, acc[1][i]);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+        const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+        _mm_storeu_ps(scores[r], _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+}
+
+// scores[0..n) := e^(score - max) and returns their sum, lanes of 8 summed in a fixed order.
+static float exponentials(float* scores, int n) {
+    __m256 peaks = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(scores + t));
+    float lanes[8], peak = -INFINITY;
+    _mm256_storeu_ps(lanes, peaks);
+    for (int i = 0; i < 8; i++) peak = fmaxf(peak, lanes[i]);
+    for (; t < n; t++) peak = fmaxf(peak, scores[t]);
+    for (; n % 8; n++) scores[n] = -INFINITY;  // the buffer has room to a multiple of 8; e^-inf is 0
+    __m256 total = _mm256_setzero_ps();
+    for (t = 0; t < n; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), _mm256_set1_ps(peak)));
+        _mm256_storeu_ps(scores + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    _mm256_storeu_ps(lanes, total);
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// Two query rows (rotated; the heads of one token sharing a KV head, or one row twice) over keys/values rows
+// 0..visible-1: out[r] = softmax(q[r]·K / sqrt(D)) V. `scores` holds 2 x (visible rounded up to 8) floats. A row's
+// arithmetic does not depend on its partner: each (row, key) dot and each output lane is its own chain.
+static void attend_pair(const float* const q[2], const float* keys, const float* values, int visible, int D,
+                        float* scores, float* const out[2]) {
+    const float scale = 1.0f / sqrtf((float)D);
+    const int stride = (visible + 7) / 8 * 8;
+    float* row_scores[2] = {scores, scores + stride};
+    for (int t = 0; t < visible; t += 4) {  // the last group padded with the first key: the same arithmetic for all
+        const float* key[4];
+        for (int i = 0; i < 4; i++) key[i] = keys + (size_t)(t + i < visible ? t + i : 0) * D;
+        float four[2][4];
+        float* into[2] = {four[0], four[1]};
+        scores_2x4(q, key, D, scale, into);
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4 && t + i < visible; i++) row_scores[r][t + i] = four[r][i];
+    }
+    const __m256 norm[2] = {_mm256_set1_ps(1.0f / exponentials(row_scores[0], visible)),
+                            _mm256_set1_ps(1.0f / exponentials(row_scores[1], visible))};
+    for (int c = 0; c < D; c += 32) {  // up to 32 values of both rows at a time: eight accumulators in registers
+        const int lanes = D - c < 32 ? (D - c) / 8 : 4;
+        __m256 acc[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int s = 0; s < visible; s++) {
+            const __m256 w0 = _mm256_set1_ps(row_scores[0][s]), w1 = _mm256_set1_ps(row_scores[1][s]);
+            const float* row = values + (size_t)s * D + c;
+            for (int i = 0; i < lanes; i++) {
+                const __m256 v = _mm256_loadu_ps(row + 8 * i);
+                acc[0][i] = _mm256_fmadd_ps(w0, v, acc[0][i]);
+                acc[1][i] = _mm256_fmadd_ps(w1, v, acc[1][i]);
+            }
+        }
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < lanes; i++) _mm256_storeu_ps(out[r] + c + 8 * i, _mm256_mul_ps(acc[r][i], norm[r]));
+    }
+}
+
+// The `group` query heads at `q` (rows D apart) of one token over `visible` keys, two at a time (an odd last one
+// paired with itself), into `out` likewise.
+static void attend_heads(const float* q, int group, const float* keys, const float* values, int visible, int D,
+                         float* scores, float* out) {
+    for (int g = 0; g < group; g += 2) {
+        const int second = g + 1 < group ? g + 1 : g;
+        float spare[256];
+        const float* rows[2] = {q + (size_t)g * D, q + (size_t)second * D};
+        float* outs[2] = {out + (size_t)g * D, second == g ? spare : out + (size_t)second * D};
+        attend_pair(rows, keys, values, visible, D, scores, outs);
+    }
+}
+
+typedef struct {
+    const float *q, *k, *v, *cos, *sin;
+    const int32_t *seqlens_k, *query_seqlens;
+    float *out, *keys, *values;
+    int M, Hq, Hkv, L, D;
+} Step;
+
+// Task (slot, KV head): write the slot's new K/V rows of that head, then attend its query heads' rows.
+static void head_task(void* data, size_t task) {
+    const Step* p = (const Step*)data;
+    const int s = (int)(task / p->Hkv), h = (int)(task % p->Hkv), D = p->D, group = p->Hq / p->Hkv;
+    const int n = p->query_seqlens[s], past = p->seqlens_k[s] + 1 - n;
+    if (n <= 0 || past < 0 || past + n > p->L) return;
+    float* keys = p->keys + ((size_t)s * p->Hkv + h) * p->L * D;
+    float* values = p->values + ((size_t)s * p->Hkv + h) * p->L * D;
+    for (int j = 0; j < n; j++) {
+        const size_t row = ((size_t)s * p->M + j) * p->Hkv * D + (size_t)h * D;
+        const float *cos = p->cos + (size_t)(past + j) * D / 2, *sin = p->sin + (size_t)(past + j) * D / 2;
+        rotate(p->k + row, cos, sin, D, keys + (size_t)(past + j) * D);
+        memcpy(values + (size_t)(past + j) * D, p->v + row, sizeof(float) * D);
+    }
+    float* scores = (float*)malloc(sizeof(float) * 2 * (size_t)(past + n + 8));
+    float* q = (float*)malloc(sizeof(float) * (size_t)group * D);
+    for (int j = 0; j < n; j++) {
+        const size_t first = ((size_t)s * p->M + j) * p->Hq * D + (size_t)h * group * D;
+        for (int g = 0; g < group; g++)
+            rotate(p->q + first + (size_t)g * D, p->cos + (size_t)(past + j) * D / 2,
+                   p->sin + (size_t)(past + j) * D / 2, D, q + (size_t)g * D);
+        attend_heads(q, group, keys, values, past + j + 1, D, scores, p->out + first);
+    }
+    free(q);
+    free(scores);
+}
+
+static void attention_compute(void* kernel, OrtKernelContext* context) {
+    (void)kernel;
+    const Tensor q = input(context, 0), k = input(context, 1), v = input(context, 2), past_k = input(context, 3),
+                 past_v = input(context, 4), seqlens_k = input(context, 5), query_seqlens = input(context, 6),
+                 cos = input(context, 7), sin = input(context, 8);
+    const int S = (int)past_k.dims[0], Hkv = (int)past_k.dims[1], L = (int)past_k.dims[2], D = (int)past_k.dims[3];
+    const int M = (int)q.dims[1], Hq = (int)(q.dims[2] / D);
+    float* out = (float*)output_at(context, 0, q.dims, q.rank);
+    float* keys = (float*)output_at(context, 1, past_k.dims, past_k.rank);
+    float* values = (float*)output_at(context, 2, past_v.dims, past_v.rank);
+    const size_t cache_bytes = sizeof(float) * (size_t)S * Hkv * L * D;
+    if (keys != past_k.data) memcpy(keys, past_k.data, cache_bytes);  // not bound in place: carry the cache over
+    if (values != past_v.data) memcpy(values, past_v.data, cache_bytes);
+    memset(out, 0, sizeof(float) * (size_t)S * M * Hq * D);
+    if (D % 8 || D > 256 || Hq % Hkv) return;  // shapes the build never makes (it checks them)
+    Step step = {(const float*)q.data, (const float*)k.data, (const float*)v.data, (const float*)cos.data,
+                 (const float*)sin.data, (const int32_t*)seqlens_k.data, (const int32_t*)query_seqlens.data,
+                 out, keys, values, M, Hq, Hkv, L, D};
+    parallel_for(context, head_task, (size_t)S * Hkv, &step);
+}
+
+typedef struct {
+    const float *q, *k, *v, *keys, *values;
+    const int64_t *slot, *cache_len;
+    float* out;
+    int T, Hq, Hkv, L, D;
+} Block;
+
+// Task (slot, KV head): the slot's cache rows and new tokens of that head side by side, then its query rows over all.
+static void block_task(void* data, size_t task) {
+    const Block* p = (const Block*)data;
+    const int s = (int)(task / p->Hkv), h = (int)(task % p->Hkv), D = p->D, group = p->Hq / p->Hkv;
+    int n = 0;
+    for (int t = 0; t < p->T; t++) n += p->slot[t] == s;
+    const int cached = (int)(p->cache_len[s] < p->L ? p->cache_len[s] : p->L), visible = cached + n;
+    if (n == 0) return;
+    float* keys = (float*)malloc(sizeof(float) * ((size_t)visible * D * 2 + 2 * ((size_t)visible + 8)));
+    float *values = keys + (size_t)visible * D, *scores = values + (size_t)visible * D;
+    const size_t head = ((size_t)s * p->Hkv + h) * p->L * D;
+    memcpy(keys, p->keys + head, sizeof(float) * cached * D);
+    memcpy(values, p->values + head, sizeof(float) * cached * D);
+    for (int t = 0, row = cached; t < p->T; t++)
+        if (p->slot[t] == s) {
+            memcpy(keys + (size_t)row * D, p->k + ((size_t)t * p->Hkv + h) * D, sizeof(float) * D);
+            memcpy(values + (size_t)row++ * D, p->v + ((size_t)t * p->Hkv + h) * D, sizeof(float) * D);
+        }
+    for (int t = 0; t < p->T; t++)
+        if (p->slot[t] == s) {
+            const size_t first = ((size_t)t * p->Hq + (size_t)h * group) * D;
+            attend_heads(p->q + first, group, keys, values, visible, D, scores, p->out + first);
+        }
+    free(keys);
+}
+
+static void block_compute(void* kernel, OrtKernelContext* context) {
+    (void)kernel;
+    const Tensor q = input(context, 0), k = input(context, 1), v = input(context, 2), keys = input(context, 3),
+                 values = input(context, 4), slot = input(context, 5), cache_len = input(context, 7);
+    const int T = (int)q.dims[0], Hq = (int)q.dims[1], D = (int)q.dims[2], S = (int)keys.dims[0];
+    const int Hkv = (int)keys.dims[1], L = (int)keys.dims[2];
+    float* out = (float*)output_at(context, 0, q.dims, q.rank);
+    memset(out, 0, sizeof(float) * (size_t)T * Hq * D);
+    if (D % 8 || D > 256 || Hq % Hkv) return;  // shapes the build never makes (it checks them)
+    Block block = {(const float*)q.data, (const float*)k.data, (const float*)v.data, (const float*)keys.data,
+                   (const float*)values.data, (const int64_t*)slot.data, (const int64_t*)cache_len.data, out, T, Hq,
+                   Hkv, L, D};
+    parallel_for(context, block_task, (size_t)S * Hkv, &block);
+}
+
+static const char* attention_name(const OrtCustomOp* op) { (void)op; return "CachedAttention"; }
+static int attention_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? INT32 : FLOAT; }
+static size_t nine(const OrtCustomOp* op) { (void)op; return 9; }
+static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
+
+static const char* block_name(const OrtCustomOp* op) { (void)op; return "BlockAttention"; }
+static int block_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? INT64 : FLOAT; }
+static size_t eight(const OrtCustomOp* op) { (void)op; return 8; }
+
+const OrtCustomOp BLOCK_ATTENTION = DSPARK_OP(block_name, block_input_type, eight, block_compute);
+const OrtCustomOp CACHED_ATTENTION = {14, stateless_kernel, attention_name, cpu_provider, attention_input_type, nine,
+                                      float_output, three_outputs, attention_compute, destroy_kernel, required,
+                                      required, default_memory, single_arity, single_arity, single_arity,
+                                      single_arity, {0}};
