@@ -35,11 +35,10 @@ from dspark_export.graphs.model_file import write_model
 from dspark_export.graphs.weights import ONNX_DTYPES, ExternalData, WeightFormat, Weights
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
-from dspark_common.graph_io import target_io
+from dspark_common.graph_io import IN_PLACE_ATTENTION, target_io
 from dspark_common.native import DOMAIN as DSPARK_DOMAIN
 
 LOWERINGS = ("portable", "ort")
-IN_PLACE = ("gqa", "cached")  # attentions that append to the caches in place, in the slot-padded layout
 
 
 def attention_for(config: DecoderConfig, lowering: str, own_products: bool = False) -> str:
@@ -68,7 +67,7 @@ def build_target_onnx(checkpoint: Checkpoint, graph_file: str | Path, dtype: str
     graph_file.parent.mkdir(parents=True, exist_ok=True)
     attention = attention_for(config, lowering, own_products(weights, dtype, checkpoint))
     io = target_io(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.vocab_size,
-                   config.hidden_size * len(feature_layers), dtype, in_place=attention in IN_PLACE)
+                   config.hidden_size * len(feature_layers), dtype, in_place=attention in IN_PLACE_ATTENTION)
     store = ExternalData(graph_file)
     stream = Weights(checkpoint.raw, store, dtype, weights, progress, carrier=checkpoint)
     b = GraphBuilder()
@@ -101,11 +100,11 @@ class TargetLayers:
                  one_slot: bool = False):
         self.b, self.ops, self.config, self.attention, self.one_slot = b, ops, config, attention, one_slot
         self.past = (io.cache_names("past_key"), io.cache_names("past_value"))
-        self.out = (io.cache_names("present_key"), io.cache_names("present_value")) if attention in IN_PLACE else \
-            (io.cache_names("new_key"), io.cache_names("new_value"))
+        written = ("present_key", "present_value") if attention in IN_PLACE_ATTENTION else ("new_key", "new_value")
+        self.out = tuple(io.cache_names(name) for name in written)
         d, inv_freq = config.head_dim, config.inverse_frequencies()
         self.heads = (config.num_attention_heads, config.num_key_value_heads)
-        if attention in IN_PLACE:
+        if attention in IN_PLACE_ATTENTION:
             angles = np.arange(cache_rows, dtype=np.float64)[:, None] * inv_freq[None]
             np_dtype = np.float16 if ops.dtype == TensorProto.FLOAT16 else np.float32
             self.cos, self.sin = b.const(np.cos(angles), np_dtype), b.const(np.sin(angles), np_dtype)

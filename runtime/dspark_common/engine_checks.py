@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dspark_common.errors import EngineError
-from dspark_common.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES
+from dspark_common.graph_io import ACTIVATION_DTYPES, DRAFTER_TYPES, IN_PLACE_ATTENTION
 
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "w8a8", "w4a8")  # how an engine stores its weights
 INT4_ROWS = "w4a8"  # the format whose graphs use DSpark's own operators (dspark_common.native)
@@ -50,7 +50,7 @@ MANIFEST_FIELDS: dict[str, Callable[[Any], bool]] = {
     "feature_layers": lambda v: isinstance(v, list) and all(_integer(t) for t in v),
     "weights": _one_of(*WEIGHT_FORMATS),
     "drafter_weights": lambda v: v is None or v in WEIGHT_FORMATS,
-    "attention": _one_of("varlen", "gqa", "cached"),
+    "attention": _one_of("varlen", *IN_PLACE_ATTENTION),
     "files": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),
     "sources": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(d, str) for k, d in v.items()),
     "format_version": lambda v: _integer(v),

@@ -15,7 +15,7 @@ import numpy as np
 
 from dspark_common.engine_checks import REBUILD, check_calibration, check_manifest, check_speed_curve
 from dspark_common.errors import EngineError, read_json_file
-from dspark_common.graph_io import GraphIO, drafter_io, target_io
+from dspark_common.graph_io import IN_PLACE_ATTENTION, GraphIO, drafter_io, target_io
 
 FORMAT_VERSION = 4  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
 # 3: the graph I/O contract (`graph_io`), γ named `gamma`, the attention op's `bidirectional` attribute
@@ -43,7 +43,7 @@ class Manifest:
     feature_layers: list[int]
     weights: str = "fp32"  # the target's weight format: fp32 | fp16 | bf16 | int8 | int4
     drafter_weights: str | None = None  # the drafter's
-    attention: str = "varlen"  # the target's: "varlen" (the portable op), "gqa" or "cached" (DSpark's; caches in place)
+    attention: str = "varlen"  # the target's: "varlen" (the portable op), or one of IN_PLACE_ATTENTION
     files: dict[str, str] = field(default_factory=dict)  # name -> sha256
     sources: dict[str, str] = field(default_factory=dict)  # weights digests ("target", "drafter")
     format_version: int = FORMAT_VERSION
@@ -62,7 +62,7 @@ class Manifest:
     def target_io(self) -> GraphIO:
         t = self.target
         return target_io(t["num_hidden_layers"], t["num_key_value_heads"], t["head_dim"], self.vocab_size,
-                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.attention in ("gqa", "cached"),
+                         t["hidden_size"] * len(self.feature_layers), self.dtype, self.attention in IN_PLACE_ATTENTION,
                          self.cache_slots, self.cache_rows)
 
     def drafter_io(self) -> GraphIO | None:

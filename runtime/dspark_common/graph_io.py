@@ -44,6 +44,9 @@ def _ports(*rows: tuple[str, str, str]) -> tuple[Port, ...]:
 CACHE_INPUTS = _ports(
     ("past_key_{layer}", ACTIVATION, "S Hkv Lmax D"), ("past_value_{layer}", ACTIVATION, "S Hkv Lmax D")
 )
+# target attentions that append to the KV caches in place, in the slot-padded layout: ONNX Runtime's
+# GroupQueryAttention ("gqa") and DSpark's CachedAttention ("cached", a row computed alike alone and in a batch)
+IN_PLACE_ATTENTION = ("gqa", "cached")
 TARGET_IO = (
     _ports(("input_ids", "int64", "T"), ("pos", "int64", "T"), ("slot", "int64", "T"), ("cache_len", "int64", "S"),
            ("logit_index", "int64", "N")) + CACHE_INPUTS,

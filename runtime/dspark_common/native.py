@@ -1,8 +1,8 @@
 """DSpark's own ONNX Runtime operators (the `ai.dspark` domain: `native/int4_rows.c` for `w4a8` engines,
 `native/k_quants.c` for GGUF files' K-quant matrices, `native/attention.c` for those targets' and drafters'
-attention), compiled once per source and compiler with the system's C
-compiler (`$CC`, else `cc`) into the user's cache, and registered with a session by
-`SessionOptions.register_custom_ops_library` wherever a graph imports the domain."""
+attention), compiled once per source and compiler with the system's C compiler (`$CC`, else `cc`) into the user's
+cache, and registered with a session by `SessionOptions.register_custom_ops_library` wherever a graph imports the
+domain."""
 
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ class Engine:
         at every block size and with AVX-512 VNNI in blocks of 64 or more): plain steps then cost what two-token
         steps cost (docs/benchmarks.md has the figure). None (the default) turns it on for w8a8 and w4a8 engines
         (`EXACT_BY_DEFAULT`) and targets on DSpark's operators (GGUF K-quants), whose integer products cost little
-        more for a second row, and off for the others, and for targets with DSpark's attention (exact unpaired).
+        more for a second row, unless the target's attention is DSpark's too (exact unpaired); off for the others.
         """
         folder = Path(path)
         manifest = read_manifest(folder)

@@ -11,7 +11,8 @@
 // Every query row is computed by the same instructions whatever else is in the step: its scores in groups of four
 // keys from position 0, each a fixed sum order over D; a two-pass softmax; the values summed in position order. So
 // a token verified in a batch gets the bits it gets alone, which GroupQueryAttention's one-row path does not give.
-// Each (slot, KV head) is one task on ONNX Runtime's thread pool; its K/V rows are read once for all its query rows.
+// Each (slot, KV head) is one task on ONNX Runtime's thread pool; a token's query heads that share the KV head read
+// its rows together.
 //
 // BlockAttention is the varlen contract's bidirectional op (dspark_plugins.contract) for a drafter on DSpark's
 // products, in place of the standard-op function body: token t attends to its slot's cache rows below cache_len
@@ -52,7 +53,8 @@ static void rotate(const float* x, const float* cos, const float* sin, int D, fl
 }
 
 // The dots of two query rows with four keys (D floats each, D a multiple of 8), times `scale`: scores[r][0..3].
-static inline void scores_2x4(const float* const q[2], const float* const key[4], int D, float scale, float* scores[2]) {
+static inline void scores_2x4(const float* const q[2], const float* const key[4], int D, float scale,
+                              float* scores[2]) {
     __m256 acc[2][4];
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();

@@ -123,11 +123,11 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
     const float* super_scales = w->supers + (size_t)t * supers * super_floats;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int s = 0; s < supers; s++) {
         __m256i sums[ROW_TILE];
-        #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < SUPER / 32; j++) {
             const int b = s * (SUPER / 32) + j;
@@ -137,9 +137,9 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
                                                  : column_pairs(unsigned_columns(scales + (size_t)b * 8));
             const __m256i scale_b = kind == Q6_K ? column_pairs(signed_columns(scales + (size_t)b * 16 + 8)) : scale_a;
             __m256i part[ROW_TILE];
-            #pragma GCC unroll 4
+#pragma GCC unroll 4
             for (int r = 0; r < rows; r++) part[r] = _mm256_setzero_si256();
-            #pragma GCC unroll 4
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 const __m256i packed = _mm256_loadu_si256((const __m256i*)(codes + (size_t)b * 128 + 32 * c));
                 __m256i low = _mm256_and_si256(packed, nibble);
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
                     low = _mm256_or_si256(low, upper_bits(kind, first, second, 2 * c));
                     upper = _mm256_or_si256(upper, upper_bits(kind, first, second, 2 * c + 1));
                 }
-                #pragma GCC unroll 4
+#pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) {
                     const float* x = (const float*)(q->codes + (size_t)(m + r) * K + 32 * b + 8 * c);
                     const __m256i products = _mm256_add_epi16(
@@ -168,12 +168,12 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
                 }
             }
             if (kind == Q4_K)
-                #pragma GCC unroll 4
+#pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(part[r], scale_a));
         }
         // per column the int16 pairs that multiply the activations' block sums: m (Q6_K: sc) of two blocks
         __m256i terms[8];
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int p = 0; p < per_super; p++)
             terms[p] = kind == Q6_K
                 ? _mm256_or_si256(_mm256_and_si256(signed_columns(scales + ((size_t)s * 16 + 2 * p) * 8), _mm256_set1_epi32(0xFFFF)),
@@ -181,11 +181,11 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
                 : _mm256_or_si256(unsigned_columns(mins + ((size_t)s * 8 + 2 * p) * 8),
                                   _mm256_slli_epi32(unsigned_columns(mins + ((size_t)s * 8 + 2 * p + 1) * 8), 16));
         const __m256 d = _mm256_loadu_ps(super_scales + (size_t)s * super_floats);
-        #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const int32_t* pairs = q->pairs + ((size_t)(m + r) * supers + s) * per_super;
             __m256i offsets = _mm256_setzero_si256();  // Σ m·(block sum) per column; Q6_K: Σ sc·(16-sum)
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int p = 0; p < per_super; p++)
                 offsets = _mm256_add_epi32(offsets, _mm256_madd_epi16(terms[p], _mm256_set1_epi32(pairs[p])));
             const __m256 row_scale = _mm256_set1_ps(q->scales[(size_t)(m + r) * supers + s]);
@@ -199,7 +199,7 @@ static inline __attribute__((always_inline)) void tile(const KQuant* w, const Q8
             }
         }
     }
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + (size_t)r * w->N + 8 * t, acc[r]);
 }
 

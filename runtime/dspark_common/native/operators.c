@@ -34,8 +34,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain* domain = NULL;
     OrtStatus* status = CALL(CREATE_CUSTOM_OP_DOMAIN, OrtStatus* (*)(const char*, OrtCustomOpDomain**), "ai.dspark",
                              &domain);
-    const OrtCustomOp* ops[] = {&INT4_ROWS_MATMUL, &INT4_ROWS_GATHER, &K_QUANT_MATMUL, &K_QUANT_GATHER, &CACHED_ATTENTION,
-                                &BLOCK_ATTENTION};
+    const OrtCustomOp* ops[] = {&INT4_ROWS_MATMUL, &INT4_ROWS_GATHER, &K_QUANT_MATMUL, &K_QUANT_GATHER,
+                                &CACHED_ATTENTION, &BLOCK_ATTENTION};
     for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]) && !status; i++)
         status = CALL(CUSTOM_OP_DOMAIN_ADD, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*), domain, ops[i]);
     if (!status) status = CALL(ADD_CUSTOM_OP_DOMAIN, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*), options,
