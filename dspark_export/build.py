@@ -110,14 +110,35 @@ def default_drafter_weights(backend: str, weights: WeightFormat, config: Decoder
                         weights.accuracy_level, weights.code_max)
 
 
+CPU_DRAFT_BLOCK = 3  # drafts a real-size block drafter makes per round on ONNX Runtime (`with_gamma`)
+
+
 def with_gamma(source: DrafterSource | None, gamma: int) -> DrafterSource:
-    """`source` drafting `gamma` tokens a round: EAGLE-3 unrolls any number of steps; a block drafter's block is
-    the γ it was trained with (draft fewer at run time with `--spec fixed:K`)."""
-    if source is None or source.config.drafter_type != "eagle3":
-        kind = "no drafter" if source is None else f"a {source.config.drafter_type} drafter"
-        raise DSparkError(f"--gamma sets an EAGLE-3 drafter's steps per round; {kind} cannot change it (a block "
-                          "drafter drafts the γ it was trained with: use --spec fixed:K at run time)")
-    return dataclasses.replace(source, config=dataclasses.replace(source.config, gamma=gamma))
+    """`source` drafting `gamma` tokens a round. EAGLE-3 unrolls any number of steps; a block drafter (DSpark,
+    DFlash) drafts from the first `gamma` rows of the block it was trained with, so at most its trained γ (recorded
+    as `trained_gamma`): a shorter block attends over fewer mask rows, which lowers each draft's acceptance a little
+    and cuts the call's products in proportion (on a CPU they are most of its cost)."""
+    if source is None:
+        raise DSparkError("--gamma sets how many tokens a drafter drafts a round; this build has no drafter")
+    config = source.config
+    if config.drafter_type != "eagle3":
+        trained = config.extra.get("trained_gamma", config.gamma)
+        if gamma > trained:
+            raise DSparkError(f"--gamma {gamma}: this {config.drafter_type} drafter was trained on blocks of {trained} "
+                              f"drafts and drafts at most that many a round (choose 1..{trained})")
+        config = dataclasses.replace(config, extra={**config.extra, "trained_gamma": trained})
+    return dataclasses.replace(source, config=dataclasses.replace(config, gamma=gamma))
+
+
+def default_gamma(source: DrafterSource | None, backend: str, config: DecoderConfig) -> int | None:
+    """The drafts a round of a build that names no --gamma: `CPU_DRAFT_BLOCK` for a block drafter of a real-size
+    target on ONNX Runtime, whose call costs about one target step's products per 6 block rows on a CPU, and whose
+    scheduler verifies 2 to 3 drafts on most steps there (docs/benchmarks.md); else the trained γ (None)."""
+    if source is None or source.config.drafter_type == "eagle3" or backend != "ort":
+        return None
+    if config.hidden_size < REAL_SIZE_HIDDEN or source.config.gamma <= CPU_DRAFT_BLOCK:
+        return None
+    return CPU_DRAFT_BLOCK
 
 
 def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, drafter_name: str | None = None, *,
@@ -128,8 +149,8 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
                  smooth: bool = False) -> Path:
     """Write the engine directory `out`; returns it. `weights` default to `auto_weights`' choice (measured on this
     CPU; the dtype's float for a small target; w8a8 with `smooth`); the drafter's to `default_drafter_weights`. The
-    context defaults to what `kv_memory` holds. `gamma` unrolls
-    an EAGLE-3 drafter that many steps a round instead of the γ it was trained with; `draft_vocab` prunes the
+    context defaults to what `kv_memory` holds. `gamma` is the drafts a round (`with_gamma`; default
+    `default_gamma`); `draft_vocab` prunes the
     drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
     `draft_vocab.default_size` where the drafter's or target's folder holds token counts). `smooth` applies SmoothQuant
     to a w8a8 target (`dspark_export.smoothing`; needs torch)."""
@@ -166,7 +187,10 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
         print(f"engine: {weights}, {dtype} activations; {size.line()}", file=sys.stderr)
         if source is None:
             print("target only: no drafter, so no speculation (--drafter DIR adds one)", file=sys.stderr)
-        elif drafter_config.draft_vocab_size:
+        elif drafter_config.gamma < drafter_config.extra.get("trained_gamma", drafter_config.gamma):
+            print(f"drafter: drafts {drafter_config.gamma} of its {drafter_config.extra['trained_gamma']}-token block "
+                  f"a round (--gamma N chooses)", file=sys.stderr)
+        if source is not None and drafter_config.draft_vocab_size:
             origin = drafter_config.extra.get("draft_vocab_source", "its d2t")
             print(f"drafter: drafts over {drafter_config.draft_vocab_size} of {spec.config.vocab_size} tokens "
                   f"({origin}; --draft-vocab {spec.config.vocab_size} keeps them all)", file=sys.stderr)
@@ -215,9 +239,11 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 
 def _drafter_source(drafter_dir: Path | None, spec: TargetSpec, checkpoint, tokenizer: ChatTokenizer, backend: str,
                     gamma: int | None, draft_vocab: DraftVocab | None) -> DrafterSource | None:
-    """The drafter in `drafter_dir` (None: no drafter) for the target's `checkpoint`, unrolled to `gamma` and pruned
+    """The drafter in `drafter_dir` (None: no drafter) for the target's `checkpoint`, drafting `gamma` a round
+    (default: `default_gamma`) and pruned
     to `draft_vocab` (by default on ONNX Runtime where token counts are found)."""
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
+    gamma = gamma or default_gamma(source, backend, spec.config)
     if gamma is not None:
         source = with_gamma(source, gamma)
     if draft_vocab is None and backend == "ort" and source is not None and source.config.draft_vocab_size is None:

@@ -48,8 +48,8 @@ def engine_options(command):
                  "with activations quantized per row, through DSpark's own AVX2 operators (compiled once with the "
                  "system's C compiler): int4's bytes for a token alone, integer products for several. auto (the "
                  "default for other "
-                 "checkpoints): on ONNX Runtime the build times int4 and w8a8 at the target's shapes on this CPU "
-                 "and keeps the faster (w8a8 with --smooth, which needs torch); small targets keep fp32.",
+                 "checkpoints): on ONNX Runtime the build times int4, w8a8 and w4a8 at the target's shapes on this "
+                 "CPU and keeps the fastest (w8a8 with --smooth, which needs torch); small targets keep fp32.",
         ),
         click.option(
             "--quant-block-size",
@@ -362,7 +362,9 @@ def without_nan(value):
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(
     "--gamma", type=click.IntRange(min=1), default=None,
-    help="EAGLE-3 drafters: steps unrolled per round (default: the γ it was trained with).",
+    help="Drafts per round: EAGLE-3 drafters unroll any number of steps; DSpark and DFlash drafters draft from the "
+         "first N rows of their trained block, at most its γ (default: 3 for those on ONNX Runtime at real size, "
+         "whose calls cost in proportion to the rows on a CPU; else the trained γ).",
 )
 @draft_vocab_options
 @click.option("--smooth", is_flag=True,

@@ -3,7 +3,8 @@ auto`, the default for float checkpoints).
 
 int4 (`MatMulNBits`) reads half w8a8's bytes and wins a one-token step, which is bound by memory; w8a8's integer
 products cost little more for eight rows than for one, which is what verifying drafts needs, but how little depends
-on the CPU (AMX, VNNI, or AVX2 summing pairs in int16). So the build times a few decoder layers of the target's
+on the CPU (AMX, VNNI, or AVX2 summing pairs in int16); w4a8 (DSpark's own operators) reads int4's bytes and makes
+integer products of them, the fastest on an AVX2 CPU in every mode (docs/benchmarks.md). So the build times a few decoder layers of the target's
 shapes in both formats (random weights, the ops `Weights.linear` emits for an engine) at 1 to γ + 1 rows, prices a
 whole target step and a drafter call from them, and keeps the format whose best verification width gives the most
 tokens a second at a sampling request's acceptance (`ACCEPTANCE`); without a drafter, the faster one-token step.
@@ -23,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_common.native import operators_library
+from dspark_common.native import operators_library, usable
 from dspark_export.config import DecoderConfig
 from dspark_export.graphs.weights import ExternalData, WeightFormat, Weights, float_weights
 from dspark_plugins.builder import GraphBuilder
@@ -35,8 +36,7 @@ ACCEPTANCE = 0.6  # a draft token's chance to be accepted given the ones before 
 MARGIN = 1.05  # w8a8 (twice int4's bytes) is kept only when it predicts at least this much faster
 PROBE_WEIGHTS = 1 << 28  # at least this many weights are timed, and twice the last-level cache's bytes
 ROUNDS = 7  # timed runs per format and row count (medians)
-CANDIDATES = ("int4", "w8a8")  # w4a8 (docs/benchmarks.md) is asked for by name: this probe prices every format at
-# one acceptance, and the drafts of a pair distilled at float precision are accepted less on int4 weights
+CANDIDATES = ("int4", "w8a8", "w4a8")  # w4a8 where DSpark's operators build (an x86-64 CPU and a C compiler)
 
 
 @dataclass(frozen=True)
@@ -70,19 +70,22 @@ def layer_weights(config: DecoderConfig) -> int:
 
 def auto_candidates(config: DecoderConfig, dtype: str) -> tuple[list[WeightFormat], str]:
     """The formats `--weights auto` chooses from, and why any was left out: the dtype's float alone for a small
-    target or a build not in float32; else int4 and w8a8 (w8a8 where torch is installed: real checkpoints need
-    SmoothQuant, calibrated with the torch model)."""
+    target or a build not in float32; else int4, w8a8 where torch is installed (real checkpoints need SmoothQuant,
+    calibrated with the torch model) and w4a8 where DSpark's operators build."""
     if dtype != "float32":
         return [float_weights(dtype)], f"--dtype {dtype}: the quantized formats compute in float32"
     if 4 * config.num_parameters() <= SMALL_TARGET_BYTES:
         return [float_weights(dtype)], "a small target keeps its float weights"
     formats = [cpu_format(name) for name in CANDIDATES]
     formats = [f for f in formats if not (f.blocked and any(w % f.block_size for w in config.input_widths()))]
-    why = ""
+    why = []
     if importlib.util.find_spec("torch") is None:
-        formats, why = [f for f in formats if not f.per_channel], \
-            "w8a8 needs --smooth's calibration, which needs torch: pip install 'dspark[export]'"
-    return formats or [float_weights(dtype)], why
+        formats = [f for f in formats if not f.per_channel]
+        why.append("w8a8 needs --smooth's calibration, which needs torch: pip install 'dspark[export]'")
+    if not usable():
+        formats = [f for f in formats if not f.int4_rows]
+        why.append("w4a8's operators need an x86-64 CPU and a C compiler")
+    return formats or [float_weights(dtype)], "; ".join(why)
 
 
 def choose_weights(config: DecoderConfig, dtype: str, drafter_layers: int, draft_rows: int, gamma: int,

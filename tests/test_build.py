@@ -51,6 +51,39 @@ def test_build_writes_a_verified_engine(tmp_path, target):
     assert replaced.exit_code == 0 and read_manifest(tmp_path / "engine").drafter is None
 
 
+def test_gamma_shortens_a_block_drafters_round_and_never_lengthens_it(tmp_path, target):
+    drafter = write_drafter(target, tmp_path / "drafter")  # a DSpark drafter trained on blocks of 3
+    shorter = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"),
+                    "--gamma", "2")
+    assert shorter.exit_code == 0, shorter.output
+    manifest = read_manifest(tmp_path / "engine")
+    assert manifest.gamma == 2 and manifest.drafter["extra"]["trained_gamma"] == 3
+    session = ort.InferenceSession(str(tmp_path / "engine" / "drafter.onnx"))
+    assert [o.shape[1] for o in session.get_outputs() if o.name == "draft_tokens"] == [2]
+    longer = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "longer"),
+                   "--gamma", "4")
+    assert longer.exit_code != 0 and "trained on blocks of 3" in longer.output
+    assert not (tmp_path / "longer").exists()
+
+
+def test_real_size_block_drafters_draft_a_short_block_on_onnx_runtime_by_default():
+    from types import SimpleNamespace
+
+    from dspark_export.build import CPU_DRAFT_BLOCK, default_gamma
+
+    def source(kind, gamma=7):
+        return SimpleNamespace(config=SimpleNamespace(drafter_type=kind, gamma=gamma))
+
+    real, demo = SimpleNamespace(hidden_size=2048), SimpleNamespace(hidden_size=384)
+    assert default_gamma(source("dspark"), "ort", real) == CPU_DRAFT_BLOCK
+    assert default_gamma(source("dflash"), "ort", real) == CPU_DRAFT_BLOCK
+    assert default_gamma(source("dspark"), "trt", real) is None  # a GPU verifies more drafts nearly free
+    assert default_gamma(source("dspark"), "ort", demo) is None
+    assert default_gamma(source("eagle3"), "ort", real) is None
+    assert default_gamma(source("dspark", CPU_DRAFT_BLOCK), "ort", real) is None
+    assert default_gamma(None, "ort", real) is None
+
+
 def test_bundled_demo_engine_is_rebuilt_when_its_weights_or_graphs_change(tmp_path, monkeypatch):
     """An upgrade that replaces the bundled drafter or the exporter's graphs must not leave the user cache
     running the old engine."""

@@ -151,29 +151,37 @@ def test_a_row_alone_computes_what_it_computes_in_a_batch(tmp_path):
 
 
 def test_block_attention_is_the_bidirectional_contract(tmp_path):
+    """Three context tokens then a block of four per slot's order, interleaved: the block's rows attend by the
+    contract after the rotary embedding, and the context tokens' keys come back rotated."""
     rng = np.random.default_rng(3)
-    slots, tokens = 3, 7
-    slot = np.array([1, 0, 1, 1, 0, 1, 1])  # interleaved; slot 2 idle
+    slots, tokens, block = 3, 7, 4
+    slot = np.array([1, 0, 1, 1, 0, 1, 1])  # interleaved; slot 2 idle; the last 4 tokens have queries
     cache_len = np.array([4, 9, 6])
     pos = np.array([cache_len[s] + (slot[:t] == s).sum() for t, s in enumerate(slot)])
-    q = rng.standard_normal((tokens, HQ, D)).astype(np.float32)
+    q = rng.standard_normal((block, HQ, D)).astype(np.float32)
     k, v = (rng.standard_normal((tokens, HKV, D)).astype(np.float32) for _ in range(2))
     caches = [rng.standard_normal((slots, HKV, L, D)).astype(np.float32) for _ in range(2)]
+    cos, sin = (table[pos] for table in rope_tables())
     floats = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
     longs = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.INT64, shape)  # noqa: E731
-    names = ["q", "k_new", "v_new", "k_cache", "v_cache", "slot", "pos", "cache_len"]
-    inputs = [floats("q", ["T", HQ, D]), floats("k_new", ["T", HKV, D]), floats("v_new", ["T", HKV, D]),
+    names = ["q", "k_new", "v_new", "k_cache", "v_cache", "slot", "cache_len", "cos", "sin"]
+    inputs = [floats("q", ["Tq", HQ, D]), floats("k_new", ["T", HKV, D]), floats("v_new", ["T", HKV, D]),
               floats("k_cache", [slots, HKV, L, D]), floats("v_cache", [slots, HKV, L, D]), longs("slot", ["T"]),
-              longs("pos", ["T"]), longs("cache_len", [slots])]
-    node = helper.make_node("BlockAttention", names, ["out"], domain=DOMAIN)
-    graph = helper.make_graph([node], "g", inputs, [floats("out", ["T", HQ, D])])
+              longs("cache_len", [slots]), floats("cos", ["T", D // 2]), floats("sin", ["T", D // 2])]
+    node = helper.make_node("BlockAttention", names, ["out", "context_keys"], domain=DOMAIN)
+    graph = helper.make_graph([node], "g", inputs, [floats("out", ["Tq", HQ, D]),
+                                                     floats("context_keys", ["C", HKV, D])])
     path = str(tmp_path / "block.onnx")
     onnx.save(helper.make_model(graph, opset_imports=opset_imports() + [helper.make_opsetid(DOMAIN, 1)]), path)
     onnx.checker.check_model(path)
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(operators_library()))
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    values = [q, k, v, *caches, slot, pos, cache_len]
-    out = session.run(None, dict(zip(names, values)))[0]
-    expected = varlen_attention(*values, bidirectional=True)
-    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+    out, context_keys = session.run(None, dict(zip(names, [q, k, v, *caches, slot, cache_len, cos, sin])))
+    table_cos, table_sin = rope_tables(int(pos.max()) + 1)
+    k_rotated = np.stack([rotated(k[t], pos[t], table_cos, table_sin) for t in range(tokens)])
+    q_rotated = np.stack([rotated(q[j], pos[tokens - block + j], table_cos, table_sin) for j in range(block)])
+    q_all = np.concatenate([np.zeros((tokens - block, HQ, D), np.float32), q_rotated])
+    expected = varlen_attention(q_all, k_rotated, v, *caches, slot, pos, cache_len, bidirectional=True)
+    np.testing.assert_allclose(out, expected[tokens - block:], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(context_keys, k_rotated[: tokens - block], rtol=1e-6, atol=1e-6)

@@ -3,6 +3,8 @@ same noise, for several requests at once and across calls that commit the drafte
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -17,6 +19,7 @@ from dspark_export.drafters.eagle3 import eagle3_draft  # noqa: E402
 from dspark_export.drafters.checkpoint import attach_target, build_drafter, save_drafter  # noqa: E402
 from dspark_export.drafters.config import DrafterConfig  # noqa: E402
 from dspark_export.model import DecoderModel  # noqa: E402
+from dspark_export.build import with_gamma  # noqa: E402
 from dspark_export.graphs.drafter import build_drafter_onnx  # noqa: E402
 from dspark_export.graphs.weights import WeightFormat  # noqa: E402
 from dspark_export.interop import open_drafter  # noqa: E402
@@ -25,7 +28,9 @@ from tests.conftest import write_hf_checkpoint  # noqa: E402
 SLOTS, LMAX, GAMMA = 3, 40, 4
 
 
-def make_drafter(tmp_path, kind, head):
+def make_drafter(tmp_path, kind, head, gamma=GAMMA):
+    """The torch drafter and its graph's session, the graph drafting `gamma` a round (`with_gamma`); the torch
+    drafter's config says the same."""
     folder = write_hf_checkpoint(tmp_path / "target", tie_word_embeddings=True, num_hidden_layers=4)
     config = DecoderConfig.from_dir(folder)
     checkpoint = Checkpoint(folder, config)
@@ -42,9 +47,11 @@ def make_drafter(tmp_path, kind, head):
                 param.normal_(0, 0.5)
     attach_target(drafter, target)
     save_drafter(drafter, tmp_path / "drafter")
-    graph = build_drafter_onnx(
-        open_drafter(tmp_path / "drafter", config), checkpoint, tmp_path / "engine" / "drafter.onnx"
-    )
+    source = open_drafter(tmp_path / "drafter", config)
+    if gamma != GAMMA:
+        source = with_gamma(source, gamma)
+        drafter.config = dataclasses.replace(drafter.config, gamma=gamma)
+    graph = build_drafter_onnx(source, checkpoint, tmp_path / "engine" / "drafter.onnx")
     onnx.checker.check_model(str(graph), full_check=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -56,7 +63,18 @@ def make_drafter(tmp_path, kind, head):
 )
 @pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.8, 0.8), (1.3, 0.0)])
 def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
-    drafter, session, config = make_drafter(tmp_path, kind, head)
+    check_against_torch(*make_drafter(tmp_path, kind, head), kind, temperatures, GAMMA)
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+def test_a_shorter_block_drafts_what_the_torch_drafter_drafts_from_that_block(tmp_path, kind, head):
+    """`--gamma 2` on a drafter trained on blocks of 4: the block's first 2 rows, attending over each other only."""
+    check_against_torch(*make_drafter(tmp_path, kind, head, gamma=2), kind, (0.8, 0.0), 2)
+
+
+def check_against_torch(drafter, session, config, kind, temperatures, gamma):
+    """Two calls for two requests (slots 2 and 0), the second after the first's context K/V are committed: the
+    graph's drafts, distributions and confidences are the torch drafter's for the same noise."""
     draft = eagle3_draft if kind == "eagle3" else block_draft
     layers = 1 if kind == "eagle3" else 2
     rng = np.random.default_rng(1)
@@ -85,7 +103,7 @@ def test_drafter_graph_matches_torch(tmp_path, kind, head, temperatures):
             "anchor_pos": np.array([length_now[s] for s in slots], dtype=np.int64),
             "request_slot": np.array(slots, dtype=np.int64),
             "cache_len": np.array([committed.get(s, 0) for s in range(SLOTS)], dtype=np.int64),
-            "noise": rng.uniform(1e-6, 1 - 1e-6, (2, GAMMA)).astype(np.float32),
+            "noise": rng.uniform(1e-6, 1 - 1e-6, (2, gamma)).astype(np.float32),
             "temperature": np.array(temperatures, dtype=np.float32),
         }
         for layer in range(layers):

@@ -4,19 +4,20 @@ sequential head (Markov, gated or RNN) and confidence head, and the draws.
 The block [anchor, MASK x (N-1)] of each request (N = γ rows, or 1 + γ in the layout whose anchor row drafts
 nothing) attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
 `DSparkVarlenAttention` call in bidirectional mode over [context tokens; block tokens] (DSpark's own
-`BlockAttention` where the products are DSpark's operators: w4a8). The new context rows' K/V are the outputs the
-runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
+`BlockAttention` where the products are DSpark's operators, w4a8: the rotary embedding inside, the block rows'
+queries only). The new context rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import numpy as np
 from onnx import TensorProto, helper
 
 from dspark_export.drafters.config import DrafterConfig
-from dspark_export.graphs.decoder import DecoderOps, rope_tables
+from dspark_export.graphs.decoder import DecoderOps, rope_angles, rope_tables
 from dspark_export.graphs.sampler import Sampler
 from dspark_plugins.builder import GraphBuilder
 from dspark_plugins.onnx_function import varlen_attention_node
@@ -26,9 +27,7 @@ from dspark_common.native import DOMAIN as DSPARK_DOMAIN
 
 def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler: Sampler, io: GraphIO) -> None:
     """The DSpark / DFlash graph: backbone over [context; block], then the sequential and confidence heads."""
-    t = config.target_config
-    hq, hkv, d, rows = t.num_attention_heads, t.num_key_value_heads, t.head_dim, config.block_rows
-    flat_shape = b.const([-1, hq * d])
+    rows = config.block_rows
 
     # block inputs: [anchor, MASK x (N-1)] per request at positions anchor_pos + j
     requests = b.op("Shape", "anchor_ids")
@@ -45,33 +44,8 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
         b.op("Concat", "context_pos", block_pos, axis=0),
         b.op("Concat", "context_slot", block_slot, axis=0),
     )
-    cos, sin = rope_tables(b, all_pos, t.inverse_frequencies(), TensorProto.FLOAT)
-    context_count = b.op("Shape", "context_pos")
-    end = b.const([np.iinfo(np.int64).max])
-    cos_blk, sin_blk = (b.op("Slice", c, context_count, end, b.const([0])) for c in (cos, sin))
-    query_pad = b.op("ConstantOfShape", b.op("Concat", context_count, b.const([hq, d]), axis=0),
-                     value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-    past_keys, past_values = io.cache_names("past_key"), io.cache_names("past_value")
-    new_keys, new_values = io.cache_names("new_key"), io.cache_names("new_value")
-    def attend(layer: int, h: str) -> str:
-        """The block rows' attention over [cache; new context; block]; writes the new context rows' K/V."""
-        attn = f"layers.{layer}.self_attn."
-        # keys and values of [context; block] rows, queries of the block rows only (context rows feed the cache)
-        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), attn, (hq, hkv), t.qk_norm, t.qkv_bias,
-                                       queries=h)
-        k = ops.rope(k, cos, sin)
-        for name, projected in ((new_keys[layer], k), (new_values[layer], v)):  # the new context rows, for the cache
-            b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
-        q = ops.rope(q, cos_blk, sin_blk)
-        attended_all = f"attention_{layer}"
-        inputs = [b.op("Concat", query_pad, q, axis=0), k, v, past_keys[layer], past_values[layer], all_slot, all_pos,
-                  "cache_len"]
-        if ops.weights.format.int4_rows:  # products on DSpark's operators: its attention too (the same contract)
-            b.op("BlockAttention", *inputs, name=attended_all, domain=DSPARK_DOMAIN)
-        else:
-            b.nodes.append(varlen_attention_node(inputs, attended_all, d, bidirectional=True,
-                                                 name=f"attention_node_{layer}"))
-        return b.op("Reshape", b.op("Slice", attended_all, context_count, end, b.const([0])), flat_shape)
+    attention = _own_attention if ops.weights.format.int4_rows else _contract_attention
+    attend = attention(b, ops, config, context, all_pos, all_slot, io)
 
     h = ops.rms_norm(x, "layers.0.input_layernorm.weight")
     for layer in range(config.num_layers):
@@ -80,6 +54,59 @@ def block_body(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, sampler:
     hidden = b.op("Reshape", h, b.op("Concat", requests, b.const([rows, -1]), axis=0))  # h: normed by norm.weight
     _sequential_head(b, ops, config, hidden, sampler)  # [R, N, H]
 
+
+def _own_attention(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, context: str, all_pos: str,
+                   all_slot: str, io: GraphIO) -> Callable[[int, str], str]:
+    """Attention on DSpark's operators (with w4a8 products): `BlockAttention` rotates q and k itself, takes the block
+    rows' queries only and returns the new context rows' rotated keys for the cache."""
+    t = config.target_config
+    angles = rope_angles(b, all_pos, t.inverse_frequencies())
+    half_cos, half_sin = b.op("Cos", angles), b.op("Sin", angles)  # [T, D/2]
+    context_count, flat_shape = b.op("Shape", "context_pos"), b.const([-1, t.num_attention_heads * t.head_dim])
+
+    def attend(layer: int, h: str) -> str:
+        """The block rows' attention over [cache; new context; block]; writes the new context rows' K/V."""
+        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), f"layers.{layer}.self_attn.",
+                                       (t.num_attention_heads, t.num_key_value_heads), t.qk_norm, t.qkv_bias,
+                                       queries=h)
+        b.op("Slice", v, b.const([0]), context_count, b.const([0]), name=io.cache_names("new_value")[layer])
+        attended = b.op("BlockAttention", q, k, v, io.cache_names("past_key")[layer],
+                        io.cache_names("past_value")[layer], all_slot, "cache_len", half_cos, half_sin,
+                        names=[f"attention_{layer}", io.cache_names("new_key")[layer]], domain=DSPARK_DOMAIN)[0]
+        return b.op("Reshape", attended, flat_shape)
+
+    return attend
+
+
+def _contract_attention(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig, context: str, all_pos: str,
+                        all_slot: str, io: GraphIO) -> Callable[[int, str], str]:
+    """Attention by the varlen contract's bidirectional op (`DSparkVarlenAttention`: a plugin on TensorRT, its
+    function body on ONNX Runtime) over [context; block] rows, the rotary embedding applied in the graph and the
+    queries padded over the context rows."""
+    t = config.target_config
+    hq, hkv, d = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    cos, sin = rope_tables(b, all_pos, t.inverse_frequencies(), TensorProto.FLOAT)
+    context_count, end = b.op("Shape", "context_pos"), b.const([np.iinfo(np.int64).max])
+    cos_blk, sin_blk = (b.op("Slice", c, context_count, end, b.const([0])) for c in (cos, sin))
+    query_pad = b.op("ConstantOfShape", b.op("Concat", context_count, b.const([hq, d]), axis=0),
+                     value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+
+    def attend(layer: int, h: str) -> str:
+        """The block rows' attention over [cache; new context; block]; writes the new context rows' K/V."""
+        q, k, v = ops.attention_inputs(b.op("Concat", context, h, axis=0), f"layers.{layer}.self_attn.", (hq, hkv),
+                                       t.qk_norm, t.qkv_bias, queries=h)
+        k = ops.rope(k, cos, sin)
+        for name, projected in ((io.cache_names("new_key")[layer], k), (io.cache_names("new_value")[layer], v)):
+            b.op("Slice", projected, b.const([0]), context_count, b.const([0]), name=name)
+        inputs = [b.op("Concat", query_pad, ops.rope(q, cos_blk, sin_blk), axis=0), k, v,
+                  io.cache_names("past_key")[layer], io.cache_names("past_value")[layer], all_slot, all_pos,
+                  "cache_len"]
+        attended_all = f"attention_{layer}"
+        b.nodes.append(varlen_attention_node(inputs, attended_all, d, bidirectional=True,
+                                             name=f"attention_node_{layer}"))
+        return b.op("Reshape", b.op("Slice", attended_all, context_count, end, b.const([0])), b.const([-1, hq * d]))
+
+    return attend
 
 GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
 CANDIDATE_ROUTE_MIN = 1 << 22  # drafted vocabulary x Markov rank from which that pays for its TopK (measured)

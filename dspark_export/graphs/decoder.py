@@ -100,12 +100,16 @@ class DecoderOps:
         return b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, swapped, axis=-1), sin))
 
 
+def rope_angles(b: GraphBuilder, pos: str, inv_freq: np.ndarray) -> str:
+    """The rotary angles [T, D/2] of absolute positions (float32, from the config's `inverse_frequencies`)."""
+    return b.op("Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])),
+                b.const(inv_freq, np.float32))
+
+
 def rope_tables(b: GraphBuilder, pos: str, inv_freq: np.ndarray, dtype: int) -> tuple[str, str]:
-    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (float32 angles from the
-    config's `inverse_frequencies`, then the graph dtype), for `DecoderOps.rope`."""
-    angles = b.op(
-        "Mul", b.op("Unsqueeze", b.op("Cast", pos, to=TensorProto.FLOAT), b.const([1])), b.const(inv_freq, np.float32)
-    )
+    """cos [T, 1, D] and the signed sin [-sin, sin] [T, 1, D] for absolute positions (`rope_angles`, then the graph
+    dtype), for `DecoderOps.rope`."""
+    angles = rope_angles(b, pos, inv_freq)
     angles = b.op("Unsqueeze", b.op("Concat", angles, angles, axis=-1), b.const([1]))
     sign = b.const(np.repeat([-1.0, 1.0], len(inv_freq)), np.float32)
     return b.op("Cast", b.op("Cos", angles), to=dtype), b.op("Cast", b.op("Mul", b.op("Sin", angles), sign), to=dtype)

@@ -17,7 +17,7 @@ from dspark_common.engine_checks import REBUILD, check_calibration, check_manife
 from dspark_common.errors import EngineError, read_json_file
 from dspark_common.graph_io import IN_PLACE_ATTENTION, GraphIO, drafter_io, target_io
 
-FORMAT_VERSION = 4  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
+FORMAT_VERSION = 5  # bumped whenever the exporter writes different graphs or manifests: older engines are rebuilt
 # 3: the graph I/O contract (`graph_io`), γ named `gamma`, the attention op's `bidirectional` attribute
 MANIFEST = "manifest.json"
 TARGET_GRAPH = "target.onnx"

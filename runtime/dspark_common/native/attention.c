@@ -15,11 +15,13 @@
 // its rows together.
 //
 // BlockAttention is the varlen contract's bidirectional op (dspark_plugins.contract) for a drafter on DSpark's
-// products, in place of the standard-op function body: token t attends to its slot's cache rows below cache_len
-// and to every new token of its slot; the caches are not written.
-//   BlockAttention(q [T, Hq, D], k_new [T, Hkv, D], v_new, k_cache [S, Hkv, L, D], v_cache, slot [T] int64,
-//                  pos [T] int64, cache_len [S] int64) -> out [T, Hq, D]
+// products, with the rotary embedding inside: token t attends to its slot's cache rows below cache_len and to every
+// new token of its slot; the caches are not written. Only the last Tq tokens (a block) have queries; the keys of the
+// first T - Tq (new context, for the cache) come back rotated.
+//   BlockAttention(q [Tq, Hq, D], k_new [T, Hkv, D], v_new, k_cache [S, Hkv, L, D], v_cache, slot [T] int64,
+//                  cache_len [S] int64, cos [T, D/2], sin [T, D/2]) -> out [Tq, Hq, D], k_context [T - Tq, Hkv, D]
 #include <immintrin.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -93,17 +95,28 @@ static float exponentials(float* scores, int n) {
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+// Rows 0..visible-1 of keys or values in two runs: the first `split` rows at `first`, the rest at `second` (D floats
+// a row): a slot's cache read in place, then its new rows.
+typedef struct {
+    const float *first, *second;
+    int split;
+} Rows;
+
+static inline const float* row_at(Rows rows, int t, int D) {
+    return t < rows.split ? rows.first + (size_t)t * D : rows.second + (size_t)(t - rows.split) * D;
+}
+
 // Two query rows (rotated; the heads of one token sharing a KV head, or one row twice) over keys/values rows
 // 0..visible-1: out[r] = softmax(q[r]·K / sqrt(D)) V. `scores` holds 2 x (visible rounded up to 8) floats. A row's
 // arithmetic does not depend on its partner: each (row, key) dot and each output lane is its own chain.
-static void attend_pair(const float* const q[2], const float* keys, const float* values, int visible, int D,
-                        float* scores, float* const out[2]) {
+static void attend_pair(const float* const q[2], Rows keys, Rows values, int visible, int D, float* scores,
+                        float* const out[2]) {
     const float scale = 1.0f / sqrtf((float)D);
     const int stride = (visible + 7) / 8 * 8;
     float* row_scores[2] = {scores, scores + stride};
     for (int t = 0; t < visible; t += 4) {  // the last group padded with the first key: the same arithmetic for all
         const float* key[4];
-        for (int i = 0; i < 4; i++) key[i] = keys + (size_t)(t + i < visible ? t + i : 0) * D;
+        for (int i = 0; i < 4; i++) key[i] = row_at(keys, t + i < visible ? t + i : 0, D);
         float four[2][4];
         float* into[2] = {four[0], four[1]};
         scores_2x4(q, key, D, scale, into);
@@ -119,7 +132,7 @@ static void attend_pair(const float* const q[2], const float* keys, const float*
             for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
         for (int s = 0; s < visible; s++) {
             const __m256 w0 = _mm256_set1_ps(row_scores[0][s]), w1 = _mm256_set1_ps(row_scores[1][s]);
-            const float* row = values + (size_t)s * D + c;
+            const float* row = row_at(values, s, D) + c;
             for (int i = 0; i < lanes; i++) {
                 const __m256 v = _mm256_loadu_ps(row + 8 * i);
                 acc[0][i] = _mm256_fmadd_ps(w0, v, acc[0][i]);
@@ -133,8 +146,8 @@ static void attend_pair(const float* const q[2], const float* keys, const float*
 
 // The `group` query heads at `q` (rows D apart) of one token over `visible` keys, two at a time (an odd last one
 // paired with itself), into `out` likewise.
-static void attend_heads(const float* q, int group, const float* keys, const float* values, int visible, int D,
-                         float* scores, float* out) {
+static void attend_heads(const float* q, int group, Rows keys, Rows values, int visible, int D, float* scores,
+                         float* out) {
     for (int g = 0; g < group; g += 2) {
         const int second = g + 1 < group ? g + 1 : g;
         float spare[256];
@@ -167,12 +180,13 @@ static void head_task(void* data, size_t task) {
     }
     float* scores = (float*)malloc(sizeof(float) * 2 * (size_t)(past + n + 8));
     float* q = (float*)malloc(sizeof(float) * (size_t)group * D);
+    const Rows all_keys = {keys, keys, INT_MAX}, all_values = {values, values, INT_MAX};  // the cache holds them all
     for (int j = 0; j < n; j++) {
         const size_t first = ((size_t)s * p->M + j) * p->Hq * D + (size_t)h * group * D;
         for (int g = 0; g < group; g++)
             rotate(p->q + first + (size_t)g * D, p->cos + (size_t)(past + j) * D / 2,
                    p->sin + (size_t)(past + j) * D / 2, D, q + (size_t)g * D);
-        attend_heads(q, group, keys, values, past + j + 1, D, scores, p->out + first);
+        attend_heads(q, group, all_keys, all_values, past + j + 1, D, scores, p->out + first);
     }
     free(q);
     free(scores);
@@ -200,50 +214,60 @@ static void attention_compute(void* kernel, OrtKernelContext* context) {
 }
 
 typedef struct {
-    const float *q, *k, *v, *keys, *values;
+    const float *q, *k, *v, *keys, *values, *cos, *sin;
     const int64_t *slot, *cache_len;
-    float* out;
-    int T, Hq, Hkv, L, D;
+    float *out, *context_keys;
+    int T, Tq, Hq, Hkv, L, D;
 } Block;
 
-// Task (slot, KV head): the slot's cache rows and new tokens of that head side by side, then its query rows over all.
+// Task (slot, KV head): the slot's new tokens of that head rotated side by side after its cache rows (read in
+// place), then its block tokens' query rows over both.
 static void block_task(void* data, size_t task) {
     const Block* p = (const Block*)data;
     const int s = (int)(task / p->Hkv), h = (int)(task % p->Hkv), D = p->D, group = p->Hq / p->Hkv;
+    const int context = p->T - p->Tq;
     int n = 0;
     for (int t = 0; t < p->T; t++) n += p->slot[t] == s;
     const int cached = (int)(p->cache_len[s] < p->L ? p->cache_len[s] : p->L), visible = cached + n;
     if (n == 0) return;
-    float* keys = (float*)malloc(sizeof(float) * ((size_t)visible * D * 2 + 2 * ((size_t)visible + 8)));
-    float *values = keys + (size_t)visible * D, *scores = values + (size_t)visible * D;
+    float* new_keys = (float*)malloc(sizeof(float) * ((size_t)(n * 2 + group) * D + 2 * ((size_t)visible + 8)));
+    float *new_values = new_keys + (size_t)n * D, *q = new_values + (size_t)n * D, *scores = q + (size_t)group * D;
+    for (int t = 0, row = 0; t < p->T; t++)
+        if (p->slot[t] == s) {
+            const size_t at = ((size_t)t * p->Hkv + h) * D;
+            rotate(p->k + at, p->cos + (size_t)t * D / 2, p->sin + (size_t)t * D / 2, D, new_keys + (size_t)row * D);
+            if (t < context) memcpy(p->context_keys + at, new_keys + (size_t)row * D, sizeof(float) * D);
+            memcpy(new_values + (size_t)row++ * D, p->v + at, sizeof(float) * D);
+        }
     const size_t head = ((size_t)s * p->Hkv + h) * p->L * D;
-    memcpy(keys, p->keys + head, sizeof(float) * cached * D);
-    memcpy(values, p->values + head, sizeof(float) * cached * D);
-    for (int t = 0, row = cached; t < p->T; t++)
+    const Rows keys = {p->keys + head, new_keys, cached}, values = {p->values + head, new_values, cached};
+    for (int t = context; t < p->T; t++)
         if (p->slot[t] == s) {
-            memcpy(keys + (size_t)row * D, p->k + ((size_t)t * p->Hkv + h) * D, sizeof(float) * D);
-            memcpy(values + (size_t)row++ * D, p->v + ((size_t)t * p->Hkv + h) * D, sizeof(float) * D);
+            const size_t first = ((size_t)(t - context) * p->Hq + (size_t)h * group) * D;
+            for (int g = 0; g < group; g++)
+                rotate(p->q + first + (size_t)g * D, p->cos + (size_t)t * D / 2, p->sin + (size_t)t * D / 2, D,
+                       q + (size_t)g * D);
+            attend_heads(q, group, keys, values, visible, D, scores, p->out + first);
         }
-    for (int t = 0; t < p->T; t++)
-        if (p->slot[t] == s) {
-            const size_t first = ((size_t)t * p->Hq + (size_t)h * group) * D;
-            attend_heads(p->q + first, group, keys, values, visible, D, scores, p->out + first);
-        }
-    free(keys);
+    free(new_keys);
 }
 
 static void block_compute(void* kernel, OrtKernelContext* context) {
     (void)kernel;
     const Tensor q = input(context, 0), k = input(context, 1), v = input(context, 2), keys = input(context, 3),
-                 values = input(context, 4), slot = input(context, 5), cache_len = input(context, 7);
-    const int T = (int)q.dims[0], Hq = (int)q.dims[1], D = (int)q.dims[2], S = (int)keys.dims[0];
-    const int Hkv = (int)keys.dims[1], L = (int)keys.dims[2];
+                 values = input(context, 4), slot = input(context, 5), cache_len = input(context, 6),
+                 cos = input(context, 7), sin = input(context, 8);
+    const int Tq = (int)q.dims[0], Hq = (int)q.dims[1], D = (int)q.dims[2], T = (int)k.dims[0];
+    const int S = (int)keys.dims[0], Hkv = (int)keys.dims[1], L = (int)keys.dims[2];
+    const int64_t context_dims[3] = {T - Tq, Hkv, D};
     float* out = (float*)output_at(context, 0, q.dims, q.rank);
-    memset(out, 0, sizeof(float) * (size_t)T * Hq * D);
-    if (D % 8 || D > 256 || Hq % Hkv) return;  // shapes the build never makes (it checks them)
+    float* context_keys = (float*)output_at(context, 1, context_dims, 3);
+    memset(out, 0, sizeof(float) * (size_t)Tq * Hq * D);
+    memset(context_keys, 0, sizeof(float) * (size_t)(T - Tq) * Hkv * D);
+    if (D % 8 || D > 256 || Hq % Hkv || Tq > T) return;  // shapes the build never makes (it checks them)
     Block block = {(const float*)q.data, (const float*)k.data, (const float*)v.data, (const float*)keys.data,
-                   (const float*)values.data, (const int64_t*)slot.data, (const int64_t*)cache_len.data, out, T, Hq,
-                   Hkv, L, D};
+                   (const float*)values.data, (const float*)cos.data, (const float*)sin.data,
+                   (const int64_t*)slot.data, (const int64_t*)cache_len.data, out, context_keys, T, Tq, Hq, Hkv, L, D};
     parallel_for(context, block_task, (size_t)S * Hkv, &block);
 }
 
@@ -253,10 +277,12 @@ static size_t nine(const OrtCustomOp* op) { (void)op; return 9; }
 static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
 
 static const char* block_name(const OrtCustomOp* op) { (void)op; return "BlockAttention"; }
-static int block_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? INT64 : FLOAT; }
-static size_t eight(const OrtCustomOp* op) { (void)op; return 8; }
+static int block_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? INT64 : FLOAT; }
+static size_t two_outputs(const OrtCustomOp* op) { (void)op; return 2; }
 
-const OrtCustomOp BLOCK_ATTENTION = DSPARK_OP(block_name, block_input_type, eight, block_compute);
+const OrtCustomOp BLOCK_ATTENTION = {14, stateless_kernel, block_name, cpu_provider, block_input_type, nine,
+                                     float_output, two_outputs, block_compute, destroy_kernel, required, required,
+                                     default_memory, single_arity, single_arity, single_arity, single_arity, {0}};
 const OrtCustomOp CACHED_ATTENTION = {14, stateless_kernel, attention_name, cpu_provider, attention_input_type, nine,
                                       float_output, three_outputs, attention_compute, destroy_kernel, required,
                                       required, default_memory, single_arity, single_arity, single_arity,
