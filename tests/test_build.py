@@ -51,7 +51,7 @@ def test_build_writes_a_verified_engine(tmp_path, target):
     assert replaced.exit_code == 0 and read_manifest(tmp_path / "engine").drafter is None
 
 
-def test_gamma_shortens_a_block_drafters_round_and_never_lengthens_it(tmp_path, target):
+def test_gamma_shortens_a_block_drafters_round(tmp_path, target):
     drafter = write_drafter(target, tmp_path / "drafter")  # a DSpark drafter trained on blocks of 3
     shorter = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "engine"),
                     "--gamma", "2")
@@ -60,10 +60,6 @@ def test_gamma_shortens_a_block_drafters_round_and_never_lengthens_it(tmp_path, 
     assert manifest.gamma == 2 and manifest.drafter["extra"]["trained_gamma"] == 3
     session = ort.InferenceSession(str(tmp_path / "engine" / "drafter.onnx"))
     assert [o.shape[1] for o in session.get_outputs() if o.name == "draft_tokens"] == [2]
-    longer = build("--target-path", str(target), "--drafter", str(drafter), "--out", str(tmp_path / "longer"),
-                   "--gamma", "4")
-    assert longer.exit_code != 0 and "trained on blocks of 3" in longer.output
-    assert not (tmp_path / "longer").exists()
 
 
 def test_real_size_block_drafters_draft_a_short_block_on_onnx_runtime_by_default():

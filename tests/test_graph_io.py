@@ -117,10 +117,10 @@ def test_bfloat16_for_onnx_runtime_is_refused_before_anything_is_written(tmp_pat
     assert not (tmp_path / "engine").exists()
 
 
-def test_a_block_drafter_keeps_its_trained_gamma(tmp_path, target):
+def test_a_block_drafter_drafts_at_most_its_trained_gamma(tmp_path, target):
     drafter = write_drafter(target, tmp_path / "drafter", gamma=3)
-    with pytest.raises(DSparkError, match="drafts the γ it was trained with"):
-        build_engine(resolve_target(None, target), tmp_path / "engine", drafter, gamma=2, show_progress=False)
+    with pytest.raises(DSparkError, match="trained on blocks of 3 drafts"):
+        build_engine(resolve_target(None, target), tmp_path / "engine", drafter, gamma=4, show_progress=False)
     assert not (tmp_path / "engine").exists()
 
 
