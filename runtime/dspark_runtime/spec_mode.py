@@ -36,7 +36,8 @@ class SpecMode:
             if default_block and drafts > default_block:
                 raise InvalidRequestError(
                     f"fixed:{drafts} asks for more drafts than this engine's drafter makes a round (γ = "
-                    f"{default_block}); use fixed:1 to fixed:{default_block}"
+                    f"{default_block}); use fixed:1 to fixed:{default_block} (`dspark-export build --gamma N` sets how "
+                    "many it drafts)"
                 )
             return cls("fixed", drafts)
         return cls(kind)
