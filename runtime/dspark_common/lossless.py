@@ -99,11 +99,13 @@ def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.nda
     keep = np.ones(probs.shape, dtype=bool)
     if params.top_k and params.top_k < probs.shape[-1]:
         keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
-    if params.top_p < 1:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        ranked = np.take_along_axis(probs, order, -1)
+    if params.top_p < 1:  # ranked among the tokens still kept: every token ranked above a top-k token is one too
         nucleus = np.zeros(probs.shape, dtype=bool)
-        np.put_along_axis(nucleus, order, np.cumsum(ranked, -1) - ranked < params.top_p, -1)  # mass strictly above
+        for row in np.ndindex(probs.shape[:-1]):
+            kept = np.flatnonzero(keep[row])
+            order = kept[np.argsort(-probs[row][kept], kind="stable")]
+            ranked = probs[row][order]
+            nucleus[row][order] = np.cumsum(ranked) - ranked < params.top_p  # mass strictly above
         keep &= nucleus
     if params.min_p > 0:
         keep &= probs >= params.min_p * probs.max(-1, keepdims=True)
