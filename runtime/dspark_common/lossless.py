@@ -94,8 +94,11 @@ def penalise(logits: np.ndarray, history: np.ndarray, params: SamplingParams) ->
 def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """softmax(logits / T) restricted by top-k, top-p and min-p, along the last axis; float64 rows summing to 1."""
     scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    scaled -= scaled.max(-1, keepdims=True)
+    probs = np.exp(scaled, out=scaled)
     probs /= probs.sum(-1, keepdims=True)
+    if not (params.top_k and params.top_k < probs.shape[-1]) and params.top_p >= 1 and params.min_p <= 0:
+        return probs / probs.sum(-1, keepdims=True)  # nothing truncated: the same second normalization
     keep = np.ones(probs.shape, dtype=bool)
     if params.top_k and params.top_k < probs.shape[-1]:
         keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
