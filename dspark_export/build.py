@@ -150,9 +150,9 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
     """Write the engine directory `out`; returns it. `weights` default to `auto_weights`' choice (measured on this
     CPU; the dtype's float for a small target; w8a8 with `smooth`); the drafter's to `default_drafter_weights`. The
     context defaults to what `kv_memory` holds. `gamma` is the drafts a round (`with_gamma`; default
-    `default_gamma`); `draft_vocab` prunes the
-    drafter's output to that many of the target's most frequent tokens (ONNX Runtime engines default to
-    `draft_vocab.default_size` where the drafter's or target's folder holds token counts). `smooth` applies SmoothQuant
+    `default_gamma`); `draft_vocab` prunes the drafter's output to that many of the target's most frequent tokens
+    (ONNX Runtime engines default to `draft_vocab.default_size` where the drafter's or target's folder holds token
+    counts). `smooth` applies SmoothQuant
     to a w8a8 target (`dspark_export.smoothing`; needs torch)."""
     backend = resolve_backend(backend)
     check_options(spec.config, backend, dtype, weights or float_weights(dtype), drafter_weights)
@@ -240,8 +240,7 @@ def build_engine(spec: TargetSpec, out: Path, drafter_dir: Path | None = None, d
 def _drafter_source(drafter_dir: Path | None, spec: TargetSpec, checkpoint, tokenizer: ChatTokenizer, backend: str,
                     gamma: int | None, draft_vocab: DraftVocab | None) -> DrafterSource | None:
     """The drafter in `drafter_dir` (None: no drafter) for the target's `checkpoint`, drafting `gamma` a round
-    (default: `default_gamma`) and pruned
-    to `draft_vocab` (by default on ONNX Runtime where token counts are found)."""
+    (default: `default_gamma`) and pruned to `draft_vocab` (by default on ONNX Runtime where token counts are found)."""
     source = None if drafter_dir is None else open_drafter(drafter_dir, spec.config, checkpoint, tokenizer)
     gamma = gamma or default_gamma(source, backend, spec.config)
     if gamma is not None:

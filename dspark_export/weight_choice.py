@@ -4,10 +4,11 @@ auto`, the default for float checkpoints).
 int4 (`MatMulNBits`) reads half w8a8's bytes and wins a one-token step, which is bound by memory; w8a8's integer
 products cost little more for eight rows than for one, which is what verifying drafts needs, but how little depends
 on the CPU (AMX, VNNI, or AVX2 summing pairs in int16); w4a8 (DSpark's own operators) reads int4's bytes and makes
-integer products of them, the fastest on an AVX2 CPU in every mode (docs/benchmarks.md). So the build times a few decoder layers of the target's
-shapes in both formats (random weights, the ops `Weights.linear` emits for an engine) at 1 to γ + 1 rows, prices a
-whole target step and a drafter call from them, and keeps the format whose best verification width gives the most
-tokens a second at a sampling request's acceptance (`ACCEPTANCE`); without a drafter, the faster one-token step.
+integer products of them, the fastest on an AVX2 CPU in every mode (docs/benchmarks.md). So the build times a few
+decoder layers of the target's shapes in each format (random weights, the ops `Weights.linear` emits for an engine)
+at 1 to γ + 1 rows, prices a whole target step and a drafter call from them, and keeps the format whose best
+verification width gives the most tokens a second at a sampling request's acceptance (`ACCEPTANCE`); without a
+drafter, the faster one-token step.
 Small targets (the demo, test models) keep float weights: they compute the checkpoint itself, with little memory
 traffic to save."""
 

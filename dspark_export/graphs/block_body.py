@@ -5,7 +5,8 @@ The block [anchor, MASK x (N-1)] of each request (N = γ rows, or 1 + γ in the 
 nothing) attends to its slot's cache, the new context of its slot, and itself (bidirectionally): one
 `DSparkVarlenAttention` call in bidirectional mode over [context tokens; block tokens] (DSpark's own
 `BlockAttention` where the products are DSpark's operators, w4a8: the rotary embedding inside, the block rows'
-queries only). The new context rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s (DeepSpec's).
+queries only). The new context rows' K/V are the outputs the runtime commits. Tensor names are `BlockDrafter`'s
+(DeepSpec's).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def _contract_attention(b: GraphBuilder, ops: DecoderOps, config: DrafterConfig,
         return b.op("Reshape", b.op("Slice", attended_all, context_count, end, b.const([0])), b.const([-1, hq * d]))
 
     return attend
+
 
 GREEDY_CANDIDATES = 128  # CPU graphs: tokens per position an all-greedy call scores with the sequential head
 CANDIDATE_ROUTE_MIN = 1 << 22  # drafted vocabulary x Markov rank from which that pays for its TopK (measured)

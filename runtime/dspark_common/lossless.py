@@ -97,10 +97,11 @@ def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.nda
     scaled -= scaled.max(-1, keepdims=True)
     probs = np.exp(scaled, out=scaled)
     probs /= probs.sum(-1, keepdims=True)
-    if not (params.top_k and params.top_k < probs.shape[-1]) and params.top_p >= 1 and params.min_p <= 0:
+    top_k = bool(params.top_k) and params.top_k < probs.shape[-1]
+    if not top_k and params.top_p >= 1 and params.min_p <= 0:
         return probs / probs.sum(-1, keepdims=True)  # nothing truncated: the same second normalization
     keep = np.ones(probs.shape, dtype=bool)
-    if params.top_k and params.top_k < probs.shape[-1]:
+    if top_k:
         keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
     if params.top_p < 1:  # ranked among the tokens still kept: every token ranked above a top-k token is one too
         nucleus = np.zeros(probs.shape, dtype=bool)

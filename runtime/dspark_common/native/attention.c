@@ -280,10 +280,6 @@ static const char* block_name(const OrtCustomOp* op) { (void)op; return "BlockAt
 static int block_input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 5 || i == 6 ? INT64 : FLOAT; }
 static size_t two_outputs(const OrtCustomOp* op) { (void)op; return 2; }
 
-const OrtCustomOp BLOCK_ATTENTION = {14, stateless_kernel, block_name, cpu_provider, block_input_type, nine,
-                                     float_output, two_outputs, block_compute, destroy_kernel, required, required,
-                                     default_memory, single_arity, single_arity, single_arity, single_arity, {0}};
-const OrtCustomOp CACHED_ATTENTION = {14, stateless_kernel, attention_name, cpu_provider, attention_input_type, nine,
-                                      float_output, three_outputs, attention_compute, destroy_kernel, required,
-                                      required, default_memory, single_arity, single_arity, single_arity,
-                                      single_arity, {0}};
+const OrtCustomOp BLOCK_ATTENTION = DSPARK_OP_OUTPUTS(block_name, block_input_type, nine, two_outputs, block_compute);
+const OrtCustomOp CACHED_ATTENTION =
+    DSPARK_OP_OUTPUTS(attention_name, attention_input_type, nine, three_outputs, attention_compute);

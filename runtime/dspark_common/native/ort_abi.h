@@ -125,9 +125,10 @@ int required(const OrtCustomOp* op, size_t i);
 int default_memory(const OrtCustomOp* op, size_t i);
 int single_arity(const OrtCustomOp* op);
 
-// An operator named `name` with `inputs` inputs of types `input_type` and one float output.
-#define DSPARK_OP(name, input_type, inputs, compute)                                                                 \
-    {14, stateless_kernel, name, cpu_provider, input_type, inputs, float_output, one_output, compute, destroy_kernel,  \
+// An operator named `name` with `inputs` inputs of types `input_type` and `outputs` float outputs (one for DSPARK_OP).
+#define DSPARK_OP_OUTPUTS(name, input_type, inputs, outputs, compute)                                               \
+    {14, stateless_kernel, name, cpu_provider, input_type, inputs, float_output, outputs, compute, destroy_kernel,     \
      required, required, default_memory, single_arity, single_arity, single_arity, single_arity, {0}}
+#define DSPARK_OP(name, input_type, inputs, compute) DSPARK_OP_OUTPUTS(name, input_type, inputs, one_output, compute)
 
 #endif
