@@ -11,8 +11,8 @@
 // Every query row is computed by the same instructions whatever else is in the step: its scores in groups of four
 // keys from position 0, each a fixed sum order over D; a two-pass softmax; the values summed in position order. So
 // a token verified in a batch gets the bits it gets alone, which GroupQueryAttention's one-row path does not give.
-// Each (slot, KV head) is one task on ONNX Runtime's thread pool; a token's query heads that share the KV head read
-// its rows together.
+// Each (slot, KV head) is one task on ONNX Runtime's thread pool; all the step's query rows on that KV head share one
+// pass over its rows (verifying eight tokens at 1,024 cached reads the cache once, not eight times).
 //
 // BlockAttention is the varlen contract's bidirectional op (dspark_plugins.contract) for a drafter on DSpark's
 // products, with the rotary embedding inside: token t attends to its slot's cache rows below cache_len and to every
@@ -106,54 +106,96 @@ static inline const float* row_at(Rows rows, int t, int D) {
     return t < rows.split ? rows.first + (size_t)t * D : rows.second + (size_t)(t - rows.split) * D;
 }
 
-// Two query rows (rotated; the heads of one token sharing a KV head, or one row twice) over keys/values rows
-// 0..visible-1: out[r] = softmax(q[r]·K / sqrt(D)) V. `scores` holds 2 x (visible rounded up to 8) floats. A row's
-// arithmetic does not depend on its partner: each (row, key) dot and each output lane is its own chain.
-static void attend_pair(const float* const q[2], Rows keys, Rows values, int visible, int D, float* scores,
-                        float* const out[2]) {
-    const float scale = 1.0f / sqrtf((float)D);
-    const int stride = (visible + 7) / 8 * 8;
-    float* row_scores[2] = {scores, scores + stride};
-    for (int t = 0; t < visible; t += 4) {  // the last group padded with the first key: the same arithmetic for all
-        const float* key[4];
-        for (int i = 0; i < 4; i++) key[i] = row_at(keys, t + i < visible ? t + i : 0, D);
-        float four[2][4];
-        float* into[2] = {four[0], four[1]};
-        scores_2x4(q, key, D, scale, into);
-        for (int r = 0; r < 2; r++)
-            for (int i = 0; i < 4 && t + i < visible; i++) row_scores[r][t + i] = four[r][i];
-    }
-    const __m256 norm[2] = {_mm256_set1_ps(1.0f / exponentials(row_scores[0], visible)),
-                            _mm256_set1_ps(1.0f / exponentials(row_scores[1], visible))};
-    for (int c = 0; c < D; c += 32) {  // up to 32 values of both rows at a time: eight accumulators in registers
-        const int lanes = D - c < 32 ? (D - c) / 8 : 4;
-        __m256 acc[2][4];
-        for (int r = 0; r < 2; r++)
-            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
-        for (int s = 0; s < visible; s++) {
-            const __m256 w0 = _mm256_set1_ps(row_scores[0][s]), w1 = _mm256_set1_ps(row_scores[1][s]);
-            const float* row = row_at(values, s, D) + c;
-            for (int i = 0; i < lanes; i++) {
-                const __m256 v = _mm256_loadu_ps(row + 8 * i);
-                acc[0][i] = _mm256_fmadd_ps(w0, v, acc[0][i]);
-                acc[1][i] = _mm256_fmadd_ps(w1, v, acc[1][i]);
-            }
+// Two query rows (rotated; two heads of one token sharing a KV head, or one row twice) that see keys/values rows
+// 0..visible-1, and where their outputs go.
+typedef struct {
+    const float* q[2];
+    float* out[2];
+    int visible;
+} Pair;
+
+#define VALUE_ROWS 16  // value rows a pass reads for every pair while they are in L1
+
+// Rows s0..last-1 of the values, lanes c..c + 8·lanes, weighted by both rows' w and added to their sums (zero
+// before s0 = 0): eight accumulators in registers, each lane one chain over positions in order.
+static inline __attribute__((always_inline)) void value_sums(const float* const w[2], Rows values, int s0, int last,
+                                                             int c, int lanes, int D, float* const sum[2]) {
+    __m256 acc[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < lanes; i++) acc[r][i] = s0 ? _mm256_loadu_ps(sum[r] + c + 8 * i) : _mm256_setzero_ps();
+    for (int s = s0; s < last; s++) {
+        const __m256 w0 = _mm256_set1_ps(w[0][s]), w1 = _mm256_set1_ps(w[1][s]);
+        const float* row = row_at(values, s, D) + c;
+        for (int i = 0; i < lanes; i++) {
+            const __m256 v = _mm256_loadu_ps(row + 8 * i);
+            acc[0][i] = _mm256_fmadd_ps(w0, v, acc[0][i]);
+            acc[1][i] = _mm256_fmadd_ps(w1, v, acc[1][i]);
         }
-        for (int r = 0; r < 2; r++)
-            for (int i = 0; i < lanes; i++) _mm256_storeu_ps(out[r] + c + 8 * i, _mm256_mul_ps(acc[r][i], norm[r]));
     }
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < lanes; i++) _mm256_storeu_ps(sum[r] + c + 8 * i, acc[r][i]);
 }
 
-// The `group` query heads at `q` (rows D apart) of one token over `visible` keys, two at a time (an odd last one
-// paired with itself), into `out` likewise.
-static void attend_heads(const float* q, int group, Rows keys, Rows values, int visible, int D, float* scores,
-                         float* out) {
+// Floats of work space attend_pairs needs: scores (visible rounded up to 8), sums (D) and a norm for each row.
+static size_t attend_space(int count, int visible, int D) {
+    return (size_t)2 * count * ((visible + 7) / 8 * 8 + D + 1);
+}
+
+// out[r] = softmax(q[r]·K / sqrt(D)) V for each pair's two rows. The pairs share every read of a key or value row
+// (one pass over the cache, however many tokens the step verifies), yet each row's arithmetic is its own and the
+// same in any company: each (row, key) dot a fixed sum over D, keys in groups of four from position 0 (the last
+// group padded), a two-pass softmax over its visible keys, each output lane one chain over positions in order.
+// `work` holds attend_space(count, most visible, D) floats.
+static void attend_pairs(const Pair* pairs, int count, Rows keys, Rows values, int D, float* work) {
+    const float scale = 1.0f / sqrtf((float)D);
+    int most = 0;
+    for (int p = 0; p < count; p++) most = pairs[p].visible > most ? pairs[p].visible : most;
+    const int stride = (most + 7) / 8 * 8;
+    float *scores = work, *sums = scores + (size_t)2 * count * stride, *norms = sums + (size_t)2 * count * D;
+    for (int t = 0; t < most; t += 4) {
+        const float* key[4];
+        for (int i = 0; i < 4; i++) key[i] = row_at(keys, t + i < most ? t + i : 0, D);
+        for (int p = 0; p < count; p++) {
+            if (t >= pairs[p].visible) continue;
+            float four[2][4];
+            float* into[2] = {four[0], four[1]};
+            scores_2x4(pairs[p].q, key, D, scale, into);  // keys past a pair's visible ones: computed, not kept
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4 && t + i < pairs[p].visible; i++)
+                    scores[(size_t)(2 * p + r) * stride + t + i] = four[r][i];
+        }
+    }
+    for (int r = 0; r < 2 * count; r++)
+        norms[r] = 1.0f / exponentials(scores + (size_t)r * stride, pairs[r / 2].visible);
+    for (int s0 = 0; s0 < most; s0 += VALUE_ROWS) {
+        for (int s = s0 + VALUE_ROWS; s < s0 + 2 * VALUE_ROWS && s < most; s++)  // the next pass's rows
+            for (int c = 0; c < D; c += 16) _mm_prefetch((const char*)(row_at(values, s, D) + c), _MM_HINT_T0);
+        for (int p = 0; p < count; p++) {
+            const int last = s0 + VALUE_ROWS < pairs[p].visible ? s0 + VALUE_ROWS : pairs[p].visible;
+            if (s0 >= last) continue;
+            const float* w[2] = {scores + (size_t)(2 * p) * stride, scores + (size_t)(2 * p + 1) * stride};
+            float* sum[2] = {sums + (size_t)(2 * p) * D, sums + (size_t)(2 * p + 1) * D};
+            for (int c = 0; c < D; c += 32) {  // 32 values of both rows at a time (a shape the compiler unrolls)
+                if (D - c >= 32) value_sums(w, values, s0, last, c, 4, D, sum);
+                else value_sums(w, values, s0, last, c, (D - c) / 8, D, sum);
+            }
+        }
+    }
+    for (int p = 0; p < count; p++)
+        for (int r = 0; r < 2; r++)
+            for (int c = 0; c < D; c += 8)
+                _mm256_storeu_ps(pairs[p].out[r] + c, _mm256_mul_ps(_mm256_loadu_ps(sums + (size_t)(2 * p + r) * D + c),
+                                                                    _mm256_set1_ps(norms[2 * p + r])));
+}
+
+// The pairs of one token's `group` query heads at `q` (rows D apart, rotated) that see `visible` rows, outputs
+// into `out` likewise: heads two at a time, an odd last one paired with itself (its twin's output into `spare`, D
+// floats), (group + 1) / 2 pairs.
+static void head_pairs(const float* q, int group, float* out, int visible, int D, float* spare, Pair* pairs) {
     for (int g = 0; g < group; g += 2) {
         const int second = g + 1 < group ? g + 1 : g;
-        float spare[256];
-        const float* rows[2] = {q + (size_t)g * D, q + (size_t)second * D};
-        float* outs[2] = {out + (size_t)g * D, second == g ? spare : out + (size_t)second * D};
-        attend_pair(rows, keys, values, visible, D, scores, outs);
+        pairs[g / 2] = (Pair){{q + (size_t)g * D, q + (size_t)second * D},
+                              {out + (size_t)g * D, second == g ? spare : out + (size_t)second * D}, visible};
     }
 }
 
@@ -178,18 +220,22 @@ static void head_task(void* data, size_t task) {
         rotate(p->k + row, cos, sin, D, keys + (size_t)(past + j) * D);
         memcpy(values + (size_t)(past + j) * D, p->v + row, sizeof(float) * D);
     }
-    float* scores = (float*)malloc(sizeof(float) * 2 * (size_t)(past + n + 8));
-    float* q = (float*)malloc(sizeof(float) * (size_t)group * D);
+    const int per_token = (group + 1) / 2, count = n * per_token;  // every token's pairs, attended together
+    Pair* pairs = (Pair*)malloc(sizeof(Pair) * (size_t)count);
+    float* q = (float*)malloc(sizeof(float) * ((size_t)n * group * D + (size_t)D + attend_space(count, past + n, D)));
+    float *spare = q + (size_t)n * group * D, *work = spare + D;
     const Rows all_keys = {keys, keys, INT_MAX}, all_values = {values, values, INT_MAX};  // the cache holds them all
     for (int j = 0; j < n; j++) {
         const size_t first = ((size_t)s * p->M + j) * p->Hq * D + (size_t)h * group * D;
+        float* rows = q + (size_t)j * group * D;
         for (int g = 0; g < group; g++)
             rotate(p->q + first + (size_t)g * D, p->cos + (size_t)(past + j) * D / 2,
-                   p->sin + (size_t)(past + j) * D / 2, D, q + (size_t)g * D);
-        attend_heads(q, group, all_keys, all_values, past + j + 1, D, scores, p->out + first);
+                   p->sin + (size_t)(past + j) * D / 2, D, rows + (size_t)g * D);
+        head_pairs(rows, group, p->out + first, past + j + 1, D, spare, pairs + (size_t)j * per_token);
     }
+    attend_pairs(pairs, count, all_keys, all_values, D, work);
     free(q);
-    free(scores);
+    free(pairs);
 }
 
 static void attention_compute(void* kernel, OrtKernelContext* context) {
@@ -226,12 +272,19 @@ static void block_task(void* data, size_t task) {
     const Block* p = (const Block*)data;
     const int s = (int)(task / p->Hkv), h = (int)(task % p->Hkv), D = p->D, group = p->Hq / p->Hkv;
     const int context = p->T - p->Tq;
-    int n = 0;
-    for (int t = 0; t < p->T; t++) n += p->slot[t] == s;
+    int n = 0, queries = 0;
+    for (int t = 0; t < p->T; t++) {
+        n += p->slot[t] == s;
+        queries += t >= context && p->slot[t] == s;
+    }
     const int cached = (int)(p->cache_len[s] < p->L ? p->cache_len[s] : p->L), visible = cached + n;
     if (n == 0) return;
-    float* new_keys = (float*)malloc(sizeof(float) * ((size_t)(n * 2 + group) * D + 2 * ((size_t)visible + 8)));
-    float *new_values = new_keys + (size_t)n * D, *q = new_values + (size_t)n * D, *scores = q + (size_t)group * D;
+    const int per_token = (group + 1) / 2, count = queries * per_token;
+    Pair* pairs = (Pair*)malloc(sizeof(Pair) * ((size_t)count + 1));
+    float* new_keys = (float*)malloc(sizeof(float) * ((size_t)(n * 2 + queries * group + 1) * D +
+                                                      attend_space(count, visible, D)));
+    float *new_values = new_keys + (size_t)n * D, *q = new_values + (size_t)n * D;
+    float *spare = q + (size_t)queries * group * D, *work = spare + D;
     for (int t = 0, row = 0; t < p->T; t++)
         if (p->slot[t] == s) {
             const size_t at = ((size_t)t * p->Hkv + h) * D;
@@ -241,15 +294,18 @@ static void block_task(void* data, size_t task) {
         }
     const size_t head = ((size_t)s * p->Hkv + h) * p->L * D;
     const Rows keys = {p->keys + head, new_keys, cached}, values = {p->values + head, new_values, cached};
-    for (int t = context; t < p->T; t++)
+    for (int t = context, j = 0; t < p->T; t++)
         if (p->slot[t] == s) {
             const size_t first = ((size_t)(t - context) * p->Hq + (size_t)h * group) * D;
+            float* rows = q + (size_t)j * group * D;
             for (int g = 0; g < group; g++)
                 rotate(p->q + first + (size_t)g * D, p->cos + (size_t)t * D / 2, p->sin + (size_t)t * D / 2, D,
-                       q + (size_t)g * D);
-            attend_heads(q, group, keys, values, visible, D, scores, p->out + first);
+                       rows + (size_t)g * D);
+            head_pairs(rows, group, p->out + first, visible, D, spare, pairs + (size_t)j++ * per_token);
         }
+    attend_pairs(pairs, count, keys, values, D, work);
     free(new_keys);
+    free(pairs);
 }
 
 static void block_compute(void* kernel, OrtKernelContext* context) {
