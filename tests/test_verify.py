@@ -163,13 +163,11 @@ def test_truncation_rules_row_by_row_and_batched():
 def test_top_p_after_top_k_ranks_the_kept_tokens_as_the_whole_vocabulary_would():
     """top-p is ranked among the top-k tokens only (fast at 151,936 tokens): the same bits as ranking all of them,
     ties at the k-th value included."""
-    from dspark_common.lossless import truncated_distribution
+    from dspark_common.lossless import softmax, truncated_distribution
     from dspark_common.sampling import SamplingParams
 
     def whole_vocabulary(logits, params):  # the nucleus over a full stable sort
-        scaled = logits.astype(np.float64) / params.temperature
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
+        probs = softmax(logits, params.temperature)
         keep = probs >= np.partition(probs, -params.top_k)[-params.top_k]
         order = np.argsort(-probs, kind="stable")
         nucleus = np.zeros(len(probs), dtype=bool)

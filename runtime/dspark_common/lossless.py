@@ -91,15 +91,22 @@ def penalise(logits: np.ndarray, history: np.ndarray, params: SamplingParams) ->
     return out
 
 
+def softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """softmax(logits / T) along the last axis, float64 rows summing to 1. The exponentials are float32's (SIMD:
+    four rows of 151,936 tokens cost 1.5 ms, float64's 4.4 ms; the probabilities differ by float32's rounding)."""
+    scaled = logits.astype(np.float32) / np.float32(temperature)
+    scaled -= scaled.max(-1, keepdims=True)
+    probs = np.exp(scaled, out=scaled).astype(np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    return probs
+
+
 def truncated_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """softmax(logits / T) restricted by top-k, top-p and min-p, along the last axis; float64 rows summing to 1."""
-    scaled = logits.astype(np.float64) / params.temperature
-    scaled -= scaled.max(-1, keepdims=True)
-    probs = np.exp(scaled, out=scaled)
-    probs /= probs.sum(-1, keepdims=True)
+    probs = softmax(logits, params.temperature)
     top_k = bool(params.top_k) and params.top_k < probs.shape[-1]
     if not top_k and params.top_p >= 1 and params.min_p <= 0:
-        return probs / probs.sum(-1, keepdims=True)  # nothing truncated: the same second normalization
+        return probs
     keep = np.ones(probs.shape, dtype=bool)
     if top_k:
         keep &= probs >= np.partition(probs, -params.top_k, axis=-1)[..., -params.top_k, None]
