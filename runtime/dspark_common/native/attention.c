@@ -280,7 +280,7 @@ static void block_task(void* data, size_t task) {
     const int cached = (int)(p->cache_len[s] < p->L ? p->cache_len[s] : p->L), visible = cached + n;
     if (n == 0) return;
     const int per_token = (group + 1) / 2, count = queries * per_token;
-    Pair* pairs = (Pair*)malloc(sizeof(Pair) * ((size_t)count + 1));
+    Pair* pairs = (Pair*)malloc(sizeof(Pair) * (size_t)count);
     float* new_keys = (float*)malloc(sizeof(float) * ((size_t)(n * 2 + queries * group + 1) * D +
                                                       attend_space(count, visible, D)));
     float *new_values = new_keys + (size_t)n * D, *q = new_values + (size_t)n * D;
