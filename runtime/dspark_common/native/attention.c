@@ -115,6 +115,7 @@ typedef struct {
 } Pair;
 
 #define VALUE_ROWS 16  // value rows a pass reads for every pair while they are in L1
+#define KEYS_AHEAD 32  // key rows ahead of the scores' pass that it prefetches (8-19% at 8 rows, 1,024 cached)
 
 // Rows s0..last-1 of the values, lanes c..c + 8·lanes, weighted by both rows' w and added to their sums (zero
 // before s0 = 0): eight accumulators in registers, each lane one chain over positions in order.
@@ -127,7 +128,8 @@ static inline __attribute__((always_inline)) void value_sums(const float* const 
         const __m256 w0 = _mm256_set1_ps(w[0][s]), w1 = _mm256_set1_ps(w[1][s]);
         const float* row = row_at(values, s, D) + c;
         for (int i = 0; i < lanes; i++) {
-            const __m256 v = _mm256_loadu_ps(row + 8 * i);
+            __m256 v = _mm256_loadu_ps(row + 8 * i);
+            __asm__("" : "+x"(v));  // loaded once for both rows (not as two FMAs' memory operands)
             acc[0][i] = _mm256_fmadd_ps(w0, v, acc[0][i]);
             acc[1][i] = _mm256_fmadd_ps(w1, v, acc[1][i]);
         }
@@ -155,6 +157,8 @@ static void attend_pairs(const Pair* pairs, int count, Rows keys, Rows values, i
     for (int t = 0; t < most; t += 4) {
         const float* key[4];
         for (int i = 0; i < 4; i++) key[i] = row_at(keys, t + i < most ? t + i : 0, D);
+        for (int s = t + KEYS_AHEAD; s < t + KEYS_AHEAD + 4 && s < most; s++)
+            for (int c = 0; c < D; c += 16) _mm_prefetch((const char*)(row_at(keys, s, D) + c), _MM_HINT_T0);
         for (int p = 0; p < count; p++) {
             if (t >= pairs[p].visible) continue;
             float four[2][4];

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ort_abi.h"
 
@@ -143,26 +144,32 @@ static void matmul_compute(void* kernel, OrtKernelContext* context) {
     free(row_scales);
 }
 
-// Rows `ids` of the [N, K] matrix the codes hold (its columns as a head are the rows of the tied embedding).
+// Rows `ids` of the [N, K] matrix the codes hold (its columns as a head are the rows of the tied embedding): a
+// block's 32 values from the column's four bytes in each of its chunks, (code - 8) x scale.
 static void gather_compute(void* kernel, OrtKernelContext* context) {
     (void)kernel;
     const Tensor ids = input(context, 0), codes = input(context, 1), scales = input(context, 2);
     const int blocks = (int)codes.dims[1], K = blocks * 32;
     int64_t count;
     float* rows = gather_output(context, &ids, K, &count);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i eight = _mm256_set1_epi32(8);
     for (int64_t r = 0; r < count; r++) {
         const int64_t id = ((const int64_t*)ids.data)[r];
-        const uint8_t* tile = (const uint8_t*)codes.data + (size_t)(id / 8) * blocks * 128;
-        const uint16_t* tile_scales = (const uint16_t*)scales.data + (size_t)(id / 8) * blocks * 8;
-        const int column = (int)(id % 8);
+        const uint8_t* tile = (const uint8_t*)codes.data + (size_t)(id / 8) * blocks * 128 + 4 * (id % 8);
+        const uint16_t* tile_scales = (const uint16_t*)scales.data + (size_t)(id / 8) * blocks * 8 + id % 8;
         for (int b = 0; b < blocks; b++) {
-            const float scale = _cvtsh_ss(tile_scales[(size_t)b * 8 + column]);
-            for (int c = 0; c < 4; c++)
-                for (int k = 0; k < 4; k++) {
-                    const uint8_t byte = tile[(size_t)b * 128 + 32 * c + 4 * column + k];
-                    rows[r * K + 32 * b + 8 * c + k] = ((int)(byte & 0x0F) - 8) * scale;
-                    rows[r * K + 32 * b + 8 * c + 4 + k] = ((int)(byte >> 4) - 8) * scale;
-                }
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(tile_scales[(size_t)b * 8]));
+            int32_t words[4];
+            for (int c = 0; c < 4; c++) memcpy(&words[c], tile + (size_t)b * 128 + 32 * c, 4);
+            const __m128i packed = _mm_loadu_si128((const __m128i*)words);
+            const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+            const __m128i in_order[2] = {_mm_unpacklo_epi32(low, high), _mm_unpackhi_epi32(low, high)};  // k 0-15, 16-31
+            for (int i = 0; i < 4; i++) {
+                const __m128i bytes = i % 2 ? _mm_srli_si128(in_order[i / 2], 8) : in_order[i / 2];
+                const __m256i centered = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), eight);
+                _mm256_storeu_ps(rows + r * K + 32 * b + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(centered), scale));
+            }
         }
     }
 }
