@@ -15,7 +15,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "ort_abi.h"
 
